@@ -1,0 +1,69 @@
+"""Hugging Face `generate` as a rollout engine: the fallback that runs anywhere torch does."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Mapping
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from operators.engines.base import GroupSample, SamplingParams
+
+
+class HFEngine:
+    def __init__(self, model_path: str, trust_remote_code: bool = False, torch_threads: int | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        self.tokenizer.padding_side = "left"  # generation continues from the right edge
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32
+        ).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[GroupSample]:
+        padded = self.tokenizer.pad({"input_ids": prompt_token_ids}, padding=True, return_tensors="pt")
+        torch.manual_seed(params.seed)  # HF generate samples from the global generator
+        out = self.model.generate(
+            input_ids=padded["input_ids"],
+            attention_mask=padded["attention_mask"],
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_new_tokens=params.max_new_tokens,
+            num_return_sequences=params.n,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        new_tokens = out.sequences[:, padded["input_ids"].shape[1]:]  # [B*n, T]
+        logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [B*n, T, V]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B*n, T]
+        groups = []
+        for prompt_index in range(len(prompt_token_ids)):
+            group = GroupSample()
+            for row in range(prompt_index * params.n, (prompt_index + 1) * params.n):
+                tokens = new_tokens[row].tolist()
+                length = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)  # keep EOS
+                group.token_ids.append(tokens[:length])
+                group.logprobs.append(logprobs[row, :length].tolist())
+                group.texts.append(self.tokenizer.decode(tokens[:length], skip_special_tokens=True))
+            groups.append(group)
+        return groups
+
+    def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
+        with warnings.catch_warnings():  # arrays from the object store are read-only; we copy them
+            warnings.simplefilter("ignore", UserWarning)
+            tensors = {name: torch.from_numpy(array) for name, array in state_dict.items()}
+        self.model.load_state_dict(tensors, strict=True)

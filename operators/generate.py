@@ -1,0 +1,97 @@
+"""Generate operator: samples `n` responses per prompt group with a rollout engine.
+
+Use it in any Ray Data job (batch inference, evaluation) or in the RL pipeline, where it
+also enforces admission control against the policy store:
+
+    ds.map_batches(Generate, fn_constructor_kwargs={"model_path": path, "n": 4},
+                   compute=ray.data.ActorPoolStrategy(size=2), batch_format="pandas")
+
+Input rows need a `prompt` column. If a row has `train_step` and a policy store is given,
+the group is generated only once the store holds a version >= train_step - max_staleness,
+with the newest weights the store has. Output adds `prompt_token_ids`, `responses`,
+`response_token_ids`, `behavior_logprobs`, `response_lengths`, `policy_version` and
+`time_generate`; all other columns pass through.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Iterator
+
+import pandas as pd
+
+from operators.engines import SamplingParams, make_engine
+
+
+class Generate:
+    def __init__(
+        self,
+        model_path: str,
+        engine: str = "hf",
+        n: int = 8,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        policy_store: str | None = None,
+        max_staleness: int = 0,
+        admission_timeout_s: float | None = None,
+        engine_options: dict | None = None,
+    ):
+        self.engine = make_engine(engine, model_path, **(engine_options or {}))
+        self.params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self.max_staleness = max_staleness
+        self.admission_timeout_s = admission_timeout_s
+        self.store = None
+        self.policy_version = 0  # the weights loaded from model_path
+        if policy_store is not None:
+            import ray
+
+            self.store = ray.get_actor(policy_store)
+
+    def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
+        # A generator: each yielded part leaves as its own block, so rows of an earlier
+        # step are never held back while this call waits for a later step's policy.
+        if self.store is None or "train_step" not in batch.columns:
+            self._sync_weights(min_version=None)
+            yield self._generate(batch)
+            return
+        for step, part in batch.groupby("train_step", sort=True):
+            self._sync_weights(min_version=int(step) - self.max_staleness)
+            yield self._generate(part)
+
+    def _sync_weights(self, min_version: int | None) -> None:
+        """Wait for an admissible policy version, then pull the weights if ours are older."""
+        if self.store is None:
+            return
+        import ray
+
+        if min_version is None:
+            latest = ray.get(self.store.get_version.remote())
+        else:
+            latest = ray.get(self.store.wait_for.remote(min_version, self.admission_timeout_s))
+        if latest > self.policy_version:
+            version, (weights_ref,) = ray.get(self.store.get_latest.remote())
+            self.engine.load_weights(ray.get(weights_ref))
+            self.policy_version = version
+
+    def _call_seed(self, batch: pd.DataFrame) -> int:
+        """Stable per-call seed: same rows and policy version -> same samples."""
+        key = "|".join(map(str, batch.get("group_uid", batch["prompt"]))) + f"@{self.policy_version}"
+        return (self.params.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**31)
+
+    def _generate(self, batch: pd.DataFrame) -> pd.DataFrame:
+        start = time.perf_counter()
+        batch = batch.reset_index(drop=True).copy()
+        prompt_ids = self.engine.encode([str(p) for p in batch["prompt"]])
+        params = SamplingParams(**{**self.params.__dict__, "seed": self._call_seed(batch)})
+        groups = self.engine.generate(prompt_ids, params) if len(batch) else []
+        batch["prompt_token_ids"] = prompt_ids
+        batch["responses"] = [group.texts for group in groups]
+        batch["response_token_ids"] = [group.token_ids for group in groups]
+        batch["behavior_logprobs"] = [group.logprobs for group in groups]
+        batch["response_lengths"] = [[len(tokens) for tokens in group.token_ids] for group in groups]
+        batch["policy_version"] = self.policy_version
+        batch["time_generate"] = (time.perf_counter() - start) / max(len(batch), 1)
+        return batch

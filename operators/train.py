@@ -1,0 +1,158 @@
+"""Train operator: the last stage of the RL DAG, in front of a DeepSpeed worker group.
+
+Rows (prompt groups) arrive in any block size; each carries the `train_step` it was
+scheduled for. The operator buffers rows by step (a `map_batches` batch is never exactly
+one step) and, when step s is complete and s-1 is done, explodes the groups into
+samples, shards them evenly over the ranks, runs one optimizer step, and yields one row
+of step metrics with that step's rollouts (Parquet bytes, lineage columns included).
+Rank 0 publishes version s+1 to the policy store; that is what lets generation of later
+steps through the admission gate.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections import defaultdict
+from typing import Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+
+ROLLOUT_COLUMNS = [
+    "prompt_id", "group_uid", "epoch", "policy_version", "train_step", "staleness", "prompt",
+    "responses", "response_lengths", "rewards", "advantages", "reward_errors",
+]
+STAGES = ("generate", "reward", "advantage")
+
+
+class Train:
+    def __init__(
+        self,
+        workers: Sequence,
+        groups_per_step: int,
+        total_steps: int,
+        first_step: int = 0,
+        success_threshold: float = 1.0,
+    ):
+        self.workers = list(workers)
+        self.groups_per_step = groups_per_step
+        self.end_step = first_step + total_steps
+        self.next_step = first_step
+        self.success_threshold = success_threshold
+        self.buffer: dict[int, list[dict]] = defaultdict(list)
+        self.last_step_end = time.perf_counter()
+        self.idle_seconds = 0.0
+        self.busy_seconds = 0.0
+
+    def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
+        for row in batch.to_dict("records"):
+            step = int(row["train_step"])
+            if not self.next_step <= step < self.end_step:
+                raise ValueError(f"row {row.get('group_uid')} is for step {step}, outside [{self.next_step}, {self.end_step})")
+            self.buffer[step].append(row)
+        while len(self.buffer.get(self.next_step, ())) >= self.groups_per_step:
+            rows = self.buffer.pop(self.next_step)
+            yield self._run_step(self.next_step, rows)
+            self.next_step += 1
+
+    def _run_step(self, step: int, rows: list[dict]) -> pd.DataFrame:
+        import ray
+
+        start = time.perf_counter()
+        waited = start - self.last_step_end  # trainer idle: waiting for this step's data
+        samples = _explode(rows)
+        shards = _shard(samples, len(self.workers))
+        global_tokens = int(sum(len(tokens) for tokens in samples["response_token_ids"]))
+        results = ray.get([
+            worker.train_step.remote(shard, global_tokens, len(samples["advantages"]))
+            for worker, shard in zip(self.workers, shards)
+        ])
+        end = time.perf_counter()
+        if self.busy_seconds:  # the wait before the first step is start-up, not idleness
+            self.idle_seconds += waited
+        self.busy_seconds += end - start
+        self.last_step_end = end
+        table = _rollouts(rows, step)
+        metrics = {
+            "step": step,
+            **_reward_metrics(table, self.success_threshold),
+            **_rank_metrics(results),
+            **_timing_metrics(rows, waited, start, end),
+            "trainer_idle_fraction": waited / max(waited + end - start, 1e-9),
+            "trainer_idle_fraction_cum": self.idle_seconds / max(self.idle_seconds + self.busy_seconds, 1e-9),
+            "policy_version": step + 1,
+        }
+        return pd.DataFrame([{**metrics, "rollouts_parquet": _to_parquet(table)}])
+
+
+def _explode(rows: list[dict]) -> dict[str, list]:
+    """Groups -> samples: one entry per response, in group order."""
+    samples = defaultdict(list)
+    for row in rows:
+        for index, response in enumerate(row["response_token_ids"]):
+            samples["prompt_token_ids"].append(list(row["prompt_token_ids"]))
+            samples["response_token_ids"].append(list(response))
+            samples["behavior_logprobs"].append(list(row["behavior_logprobs"][index]))
+            samples["advantages"].append(float(row["advantages"][index]))
+    return dict(samples)
+
+
+def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:
+    size = len(samples["advantages"]) // world_size  # config validation makes this exact
+    return [{key: values[rank * size:(rank + 1) * size] for key, values in samples.items()} for rank in range(world_size)]
+
+
+def _rollouts(rows: list[dict], step: int) -> pd.DataFrame:
+    table = pd.DataFrame(rows)
+    table["train_step"] = step
+    table["staleness"] = step - table["policy_version"].astype(int)
+    for column in ROLLOUT_COLUMNS:
+        if column not in table.columns:
+            table[column] = None
+    for column in ("responses", "response_lengths", "rewards", "advantages"):
+        table[column] = table[column].map(list)
+    return table[ROLLOUT_COLUMNS]
+
+
+def _reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:
+    rewards = np.concatenate([np.asarray(r, dtype=float) for r in table["rewards"]])
+    lengths = np.concatenate([np.asarray(l, dtype=float) for l in table["response_lengths"]])
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "success_rate": float((rewards >= success_threshold).mean()),
+        "response_length_mean": float(lengths.mean()),
+        "generated_tokens": int(lengths.sum()),
+        "reward_errors": int(table["reward_errors"].sum()),
+        "staleness_mean": float(table["staleness"].mean()),
+        "staleness_max": int(table["staleness"].max()),
+        "num_groups": len(table),
+    }
+
+
+def _rank_metrics(results: list[dict]) -> dict:
+    """Token-weighted mean of per-rank figures; sums for counts and times."""
+    tokens = np.array([r["num_tokens"] for r in results], dtype=float)
+    weights = tokens / max(tokens.sum(), 1.0)
+    averaged = ("entropy", "clip_fraction", "approx_kl", "ratio_mean")
+    merged = {key: float(sum(w * r[key] for w, r in zip(weights, results))) for key in averaged if key in results[0]}
+    merged["policy_loss"] = float(np.mean([r["policy_loss"] for r in results]))
+    merged["ratio_max"] = float(max(r.get("ratio_max", float("nan")) for r in results))
+    merged["grad_norm"] = float(results[0]["grad_norm"])
+    merged["time_train"] = float(max(r["train_seconds"] for r in results))
+    merged["time_publish"] = float(results[0]["publish_seconds"])
+    return merged
+
+
+def _timing_metrics(rows: list[dict], waited: float, start: float, end: float) -> dict:
+    timings = {f"time_{stage}": float(sum(row.get(f"time_{stage}", 0.0) for row in rows)) for stage in STAGES}
+    tokens = sum(sum(row["response_lengths"]) for row in rows)
+    step_wall = waited + (end - start)
+    return {**timings, "time_wait": waited, "step_seconds": step_wall, "tokens_per_s": tokens / max(step_wall, 1e-9)}
+
+
+def _to_parquet(table: pd.DataFrame) -> bytes:
+    buffer = io.BytesIO()
+    table.to_parquet(buffer, index=False)
+    return buffer.getvalue()

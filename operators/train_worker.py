@@ -1,0 +1,177 @@
+"""One DeepSpeed rank of the trainer group, run as a Ray actor (see `pipelines.trainer_group`).
+
+Each optimizer step gets this rank's shard of the step's samples (the same number of
+samples on every rank), computes the policy loss on the behaviour log-probs, steps the
+DeepSpeed engine (ZeRO stage from config, gradient clipping) and, on rank 0, publishes
+the new weights to the policy store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    model_path: str
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    dtype: str = "fp32"
+    seed: int = 0
+    torch_threads: int = 1
+    temperature: float = 1.0
+    policy_loss: str = "ppo_clip"
+    loss_aggregation: str = "token_mean"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    max_new_tokens: int = 16
+    trust_remote_code: bool = False
+
+
+class TrainWorker:
+    def __init__(self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str):
+        os.environ.update({
+            "MASTER_ADDR": "127.0.0.1" if world_size == 1 else os.environ.get("STREAMRL_MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": str(master_port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        })
+        import deepspeed
+        import ray
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        # No JIT-compiled ops: the shared-memory comm op and fused Adam each cost 20-40 s to build on CPU.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        torch.set_num_threads(settings.torch_threads)
+        torch.manual_seed(settings.seed)
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.torch, self.deepspeed = torch, deepspeed
+        self.rank, self.world_size, self.settings = rank, world_size, settings
+        model = AutoModelForCausalLM.from_pretrained(
+            settings.model_path, local_files_only=True, dtype=torch.float32,
+            trust_remote_code=settings.trust_remote_code,
+        )
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        )
+        config = {
+            "train_batch_size": world_size,
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": settings.grad_clip,
+            "zero_optimization": {"stage": settings.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": settings.dtype == "bf16"},
+            "steps_per_print": 10**9,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.pad_id = model.config.pad_token_id or 0
+        self.store = ray.get_actor(policy_store) if rank == 0 else None
+        self.version = 0
+
+    def ready(self) -> dict:
+        """Where this rank runs (tests check placement)."""
+        import ray
+
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def _batch_tensors(self, samples: dict):
+        """Right-padded [B, L] inputs; response positions in shifted (next-token) coordinates."""
+        torch = self.torch
+        sequences = [list(p) + list(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+        width = max(len(seq) for seq in sequences)
+        batch = len(sequences)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, L]
+        attention = torch.zeros((batch, width), dtype=torch.long)  # [B, L]
+        mask = torch.zeros((batch, width - 1))  # [B, L-1]: 1 where a response token is predicted
+        old_logprobs = torch.zeros((batch, width - 1))  # [B, L-1]
+        advantages = torch.zeros((batch, width - 1))  # [B, L-1]
+        for row, seq in enumerate(sequences):
+            prompt_len, response_len = len(samples["prompt_token_ids"][row]), len(samples["response_token_ids"][row])
+            input_ids[row, : len(seq)] = torch.tensor(seq)
+            attention[row, : len(seq)] = 1
+            span = slice(prompt_len - 1, prompt_len - 1 + response_len)
+            mask[row, span] = 1.0
+            old_logprobs[row, span] = torch.tensor(samples["behavior_logprobs"][row], dtype=torch.float32)
+            advantages[row, span] = float(samples["advantages"][row])
+        return input_ids, attention, mask, old_logprobs, advantages
+
+    def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int):
+        """Aggregate so that the DeepSpeed gradient average over ranks equals the global aggregate."""
+        from operators.losses import LOSS_AGGREGATIONS
+
+        aggregate = LOSS_AGGREGATIONS.get(self.settings.loss_aggregation)
+        options = {
+            "num_tokens": global_tokens / self.world_size,
+            "num_sequences": global_sequences / self.world_size,
+            "max_tokens": self.settings.max_new_tokens,
+        }
+        accepted = inspect.signature(aggregate).parameters
+        return aggregate(per_token_loss, mask, **{k: v for k, v in options.items() if k in accepted})
+
+    def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
+        """One optimizer step on this rank's shard; rank 0 then publishes version + 1."""
+        from operators.losses import POLICY_LOSSES, entropy_from_logits, masked_mean, token_logprobs
+
+        torch, settings = self.torch, self.settings
+        start = time.perf_counter()
+        self.engine.train()
+        input_ids, attention, mask, old_logprobs, advantages = self._batch_tensors(samples)
+        logits = self.engine(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()  # [B, L-1, V]
+        logits = logits / settings.temperature
+        logprobs = token_logprobs(logits, input_ids[:, 1:])  # [B, L-1]
+        per_token_loss, stats = POLICY_LOSSES.get(settings.policy_loss)(
+            logprobs, old_logprobs, advantages, mask,
+            clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
+        )
+        loss = self._aggregate(per_token_loss, mask, global_tokens, global_sequences)
+        self.engine.backward(loss)
+        self.engine.step()
+        with torch.no_grad():
+            entropy = masked_mean(entropy_from_logits(logits.detach()), mask).item()
+        grad_norm = self.engine.get_global_grad_norm()
+        self.version += 1
+        publish_seconds = self._publish() if self.rank == 0 else 0.0
+        return {
+            "policy_loss": loss.item() * self.world_size,
+            "entropy": entropy,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "num_tokens": int(mask.sum().item()),
+            "train_seconds": time.perf_counter() - start - publish_seconds,
+            "publish_seconds": publish_seconds,
+            **{key: float(value) for key, value in stats.items()},
+        }
+
+    def _full_state_dict(self) -> dict[str, np.ndarray]:
+        """Full fp32 weights as numpy arrays (ZeRO-3 shards are gathered on every rank)."""
+        module = self.engine.module
+        params = list(module.parameters())
+        gather = self.deepspeed.zero.GatheredParameters(params) if self.settings.zero_stage == 3 else contextlib.nullcontext()
+        with gather:
+            return {name: tensor.detach().float().cpu().numpy().copy() for name, tensor in module.state_dict().items()}
+
+    def _publish(self) -> float:
+        import ray
+
+        start = time.perf_counter()
+        weights_ref = ray.put(self._full_state_dict())
+        ray.get(self.store.publish.remote(self.version, [weights_ref]))
+        return time.perf_counter() - start
+
+    def save_pretrained(self, path: str) -> str | None:
+        """Write an HF checkpoint (rank 0 writes; every rank must call it under ZeRO-3)."""
+        state = self._full_state_dict()
+        if self.rank != 0:
+            return None
+        self.engine.module.save_pretrained(path, state_dict={k: self.torch.from_numpy(v) for k, v in state.items()})
+        return path
+

@@ -1,0 +1,365 @@
+"""Typed, described job configuration, validated all at once before anything starts.
+
+A config is YAML. Every field below has a description and a default; unknown keys are
+errors. `load_config` returns a `JobConfig` or raises `ConfigError`, whose message lists
+every problem with its field path and the fix, so a user fixes the file in one pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_MODEL_PREFIX = "builtin:"
+BUILTIN_DATASET_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-arith",)
+BUILTIN_DATASETS = ("arithmetic",)
+DATASET_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
+
+
+def _raise_at(problems: list[str]) -> None:
+    """Raise cross-field problems, each 'full.field.path: message', from a model validator."""
+    if problems:
+        raise ValueError("\n".join("@" + line for line in problems))
+
+
+class ConfigError(Exception):
+    """A config failed validation. `problems` holds (field path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "config"):
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s) found:"]
+        lines += [f"  - {path}: {message}" for path, message in problems]
+        super().__init__("\n".join(lines))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "builtin:tiny-arith",
+        description="Local folder of a Hugging Face causal LM (config.json + weights + tokenizer), "
+        "or 'builtin:tiny-arith' for the tiny Llama that streamrl builds and caches itself.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the model folder's own Python code to run. Off unless you trust the folder."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _model_exists(cls, path: str) -> str:
+        if path.startswith(BUILTIN_MODEL_PREFIX):
+            name = path[len(BUILTIN_MODEL_PREFIX):]
+            if name not in BUILTIN_MODELS:
+                raise ValueError(f"unknown builtin model {name!r}; use one of {list(BUILTIN_MODELS)}")
+            return path
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise ValueError(
+                f"model folder {path!r} does not exist; give a local folder made by save_pretrained "
+                "(hub names are not downloaded) or 'builtin:tiny-arith'"
+            )
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"{path!r} has no config.json; point model.path at a folder made by save_pretrained")
+        return str(folder.resolve())
+
+
+class DataConfig(_Section):
+    path: str = Field(
+        "builtin:arithmetic",
+        description="Prompt dataset: a .parquet, .jsonl/.json or .csv file, or 'builtin:arithmetic' "
+        "(single-digit addition made by streamrl).",
+    )
+    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    id_column: Optional[str] = Field(
+        None, description="Column with a stable prompt id; if unset, ids are made from the row index."
+    )
+    num_prompts: int = Field(256, gt=0, description="Number of prompts the builtin dataset makes.")
+    seed: int = Field(0, description="Seed of the builtin dataset and of shuffling.")
+    shuffle: bool = Field(True, description="Shuffle the prompt order (with `seed`) before each epoch.")
+
+    @model_validator(mode="after")
+    def _dataset_readable(self) -> "DataConfig":
+        if self.path.startswith(BUILTIN_DATASET_PREFIX):
+            name = self.path[len(BUILTIN_DATASET_PREFIX):]
+            if name not in BUILTIN_DATASETS:
+                _raise_at([f"data.path: unknown builtin dataset {name!r}; use one of {list(BUILTIN_DATASETS)}"])
+            return self
+        file = Path(self.path).expanduser()
+        if file.suffix not in DATASET_SUFFIXES:
+            _raise_at([f"data.path: {self.path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"])
+        if not file.is_file():
+            _raise_at([f"data.path: dataset file {self.path!r} does not exist; give an existing file"])
+        from pipelines.datasets import read_columns
+
+        try:
+            columns = read_columns(file)
+        except Exception as err:  # a corrupt file must be named, not crash later in an actor
+            _raise_at([f"data.path: cannot read {self.path!r} ({type(err).__name__}: {err}); check the file"])
+        _raise_at([
+            f"data.{field_name}: column {column!r} is not in {self.path!r}; its columns are {columns}"
+            for field_name in ("prompt_column", "id_column")
+            if (column := getattr(self, field_name)) is not None and column not in columns
+        ])
+        self.path = str(file.resolve())
+        return self
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (Hugging Face generate).")
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the group size).")
+    max_new_tokens: int = Field(4, ge=1, description="Most tokens generated per response.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    num_actors: int = Field(1, ge=1, description="Generate actors in the pool.")
+    groups_per_call: int = Field(
+        4, ge=1, description="Prompt groups per generate call; must divide train.groups_per_step. "
+        "Smaller calls let fast actors pull more work."
+    )
+    num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per generate actor (fractions allowed).")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per generate actor.")
+
+
+class RewardFunctionConfig(_Section):
+    name: str = Field(
+        description="A builtin reward name (see operators.reward.REWARD_FUNCTIONS) or 'module:function' "
+        "with signature (completions, **dataset_columns) -> list[float]."
+    )
+    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+
+    @field_validator("name")
+    @classmethod
+    def _importable(cls, name: str) -> str:
+        from operators.reward import resolve_reward_function
+
+        try:
+            resolve_reward_function(name)
+        except (KeyError, ImportError, AttributeError, ValueError, TypeError) as err:
+            raise ValueError(str(err).strip("'\""))
+        return name
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=lambda: [RewardFunctionConfig(name="arithmetic_exact")],
+        min_length=1,
+        description="Reward functions, summed with their weights.",
+    )
+    on_error: float = Field(
+        0.0, description="Reward given to a sample whose reward function raised or returned None."
+    )
+    success_threshold: float = Field(
+        1.0, description="A sample whose summed reward is at least this counts as a success (success_rate)."
+    )
+    num_actors: int = Field(1, ge=1, description="Reward actors in the pool.")
+    num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per reward actor.")
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = Field(
+        "grpo", description="Advantage estimator: grpo, grpo_no_std, dr_grpo, rloo, reinforce_pp_baseline."
+    )
+    policy_loss: str = Field("ppo_clip", description="Policy loss: ppo_clip.")
+    loss_aggregation: str = Field(
+        "token_mean",
+        description="How per-token losses become one number: token_mean, seq_mean_token_mean, "
+        "seq_mean_token_sum_norm (Dr. GRPO).",
+    )
+    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip range below 1.")
+    clip_eps_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (DAPO clip-higher when larger).")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, name: str) -> str:
+        from operators.advantage import ADVANTAGE_ESTIMATORS
+
+        ADVANTAGE_ESTIMATORS.get(name) if name in ADVANTAGE_ESTIMATORS else _unknown(name, ADVANTAGE_ESTIMATORS)
+        return name
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        from operators.losses import POLICY_LOSSES
+
+        return name if name in POLICY_LOSSES else _unknown(name, POLICY_LOSSES)
+
+    @field_validator("loss_aggregation")
+    @classmethod
+    def _known_aggregation(cls, name: str) -> str:
+        from operators.losses import LOSS_AGGREGATIONS
+
+        return name if name in LOSS_AGGREGATIONS else _unknown(name, LOSS_AGGREGATIONS)
+
+
+def _unknown(name: str, registry) -> str:
+    raise ValueError(f"unknown {registry.kind} {name!r}; use one of {registry.names()}")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(60, ge=1, description="Optimizer steps (policy updates) in the job.")
+    groups_per_step: int = Field(8, ge=1, description="Prompt groups per optimizer step.")
+    max_staleness: int = Field(
+        1, ge=0, description="How many policy versions generation may run ahead of training; "
+        "0 is exact synchronous on-policy RL."
+    )
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping threshold.")
+    world_size: int = Field(1, ge=1, description="DeepSpeed ranks (Ray actors) in the trainer group.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage 0-3.")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Training precision.")
+    num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per trainer rank.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per trainer rank.")
+    seed: int = Field(0, description="Seed of the trainer and the samplers.")
+
+
+class TrackingConfig(_Section):
+    enabled: bool = Field(True, description="Record the job in MLflow.")
+    uri: Optional[str] = Field(
+        None, description="MLflow tracking URI; default sqlite:///<output_dir>/mlflow.db."
+    )
+    experiment: str = Field("streamrl", description="MLflow experiment name.")
+    log_rollouts: bool = Field(True, description="Log each step's rollouts as a Parquet artifact.")
+    run_name: Optional[str] = Field(None, description="MLflow run name; default is MLflow's.")
+
+
+class RayConfig(_Section):
+    address: Optional[str] = Field(
+        None, description="Ray cluster to join; unset starts a local one for this job."
+    )
+    num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the local cluster; default all.")
+    object_store_memory_mb: int = Field(512, ge=64, description="Object store size of the local cluster.")
+
+
+class JobConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The prompt dataset.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage and loss.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The DeepSpeed trainer.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow lineage.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster.")
+    output_dir: str = Field("runs", description="Folder for the MLflow database, rollouts and checkpoints.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        problems = []
+        if self.train.groups_per_step % self.rollout.groups_per_call:
+            problems.append(
+                f"rollout.groups_per_call: {self.rollout.groups_per_call} does not divide "
+                f"train.groups_per_step={self.train.groups_per_step}; pick a divisor so no call spans two steps"
+            )
+        samples = self.train.groups_per_step * self.rollout.n
+        if samples % self.train.world_size:
+            problems.append(
+                f"train.world_size: {samples} samples per step (groups_per_step x rollout.n) do not split "
+                f"evenly over {self.train.world_size} ranks; pick a world_size that divides {samples}"
+            )
+        if self.train.dtype == "bf16" and self.train.zero_stage == 0:
+            problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
+        _raise_at(problems)
+        return self
+
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"
+
+
+# --- loading ---------------------------------------------------------------------------
+
+_FIX_BY_TYPE = {
+    "extra_forbidden": "unknown key; remove it or check its spelling",
+    "missing": "required; add it",
+}
+
+
+def _format_pydantic(err: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for item in err.errors(include_url=False):
+        loc = [str(part) for part in item["loc"]]
+        message = item["msg"].removeprefix("Value error, ")
+        if message.startswith("@"):  # cross-field problems name their own full paths
+            for line in message.splitlines():
+                path, _, text = line.removeprefix("@").partition(": ")
+                problems.append((path, text))
+            continue
+        path = ".".join(loc) or "(top level)"
+        hint = _FIX_BY_TYPE.get(item["type"])
+        if hint:
+            message = hint
+        elif item["type"] != "value_error":
+            message = f"{message} (got {item.get('input')!r})"
+        problems.append((path, message))
+    return problems
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([(dotted, f"{part!r} is not a section; cannot set a key under it")], "--set")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """Parse `a.b=value` strings; values are YAML scalars or lists (`--set train.lr=1e-3`)."""
+    parsed, problems = [], []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append((item, "expected KEY=VALUE, e.g. --set train.lr=0.001"))
+            continue
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    if problems:
+        raise ConfigError(problems, "--set")
+    return parsed
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Read YAML (safe loader), apply `--set` overrides, validate. Raises ConfigError."""
+    tree: dict = {}
+    source = str(path) if path else "config"
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError([("(file)", f"{path} does not exist; pass a YAML file such as configs/tiny_grpo.yaml")])
+        try:
+            tree = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError([("(file)", f"not valid YAML: {err}")], source)
+        if not isinstance(tree, dict):
+            raise ConfigError([("(top level)", "expected a mapping of sections (model:, data:, ...)")], source)
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_pydantic(err), source) from None
+
+
+def flatten(config: BaseModel) -> dict[str, Any]:
+    """Dotted-key view of a config, e.g. {'train.lr': 0.002}, for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, child)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for index, child in enumerate(value):
+                walk(f"{prefix}.{index}", child)
+        else:
+            out[prefix] = value
+
+    walk("", config.model_dump(mode="json"))
+    return out

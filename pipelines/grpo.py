@@ -1,0 +1,202 @@
+"""The GRPO job: one Ray Data streaming DAG, prompts -> generate -> reward -> advantage -> train.
+
+    schedule (prompt groups, each tagged with the train step it will feed)
+      -> Generate   actor pool; admission-gated on the policy store (>= step - max_staleness)
+      -> Reward     actor pool; weighted reward functions, failures contained
+      -> Advantage  group-relative estimator
+      -> Train      buffers a step's groups, steps the DeepSpeed group, publishes weights
+      -> one row of metrics + rollouts per step -> MLflow, terminal
+
+The only loop is the weight channel (train -> policy store -> generate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pandas as pd
+import ray
+from ray.data import ActorPoolStrategy
+
+from operators.advantage import Advantage
+from operators.generate import Generate
+from operators.reward import Reward
+from operators.train import Train
+from pipelines.config import BUILTIN_MODEL_PREFIX, JobConfig, ModelConfig
+from pipelines.datasets import load_prompts
+from pipelines.lineage import NullTracker, Tracker
+from pipelines.policy_store import create_policy_store
+from pipelines.progress import Progress
+from pipelines.trainer_group import start_trainer_group
+
+
+@dataclass
+class JobResult:
+    run_id: str | None
+    metrics: pd.DataFrame  # one row per train step
+    checkpoint: Path
+    model_path: str
+    trainer_placement: list[dict] = field(default_factory=list)
+    output_dir: Path = Path(".")
+
+
+def resolve_model_path(model: ModelConfig) -> str:
+    """A local model folder; the builtin tiny model is built (once, then cached) here."""
+    if model.path.startswith(BUILTIN_MODEL_PREFIX):
+        from pipelines.tiny import build_tiny_model
+
+        return str(build_tiny_model())
+    return model.path
+
+
+def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]:
+    """Assign prompts to (step, slot) in epoch order; one DataFrame per generate call.
+
+    Each frame becomes one block of the source, so no generate call spans two steps."""
+    steps, per_step, per_call = cfg.train.steps, cfg.train.groups_per_step, cfg.rollout.groups_per_call
+    total = steps * per_step
+    order, epoch = [], 0
+    while len(order) < total:
+        epoch_rows = prompts.sample(frac=1.0, random_state=cfg.data.seed + epoch) if cfg.data.shuffle else prompts
+        order.append(epoch_rows.assign(epoch=epoch))
+        epoch += 1
+    table = pd.concat(order, ignore_index=True).iloc[:total].copy()
+    table["train_step"] = table.index // per_step
+    table["group_uid"] = [f"s{step:06d}-g{index % per_step:04d}" for index, step in enumerate(table["train_step"])]
+    return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
+
+
+def build_rl_dataset(schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers) -> ray.data.Dataset:
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
+    ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
+    ctx.print_on_execution_start = False
+    ds = ray.data.from_pandas(schedule)
+    ds = ds.map_batches(
+        Generate,
+        fn_constructor_kwargs=dict(
+            model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
+            max_staleness=cfg.train.max_staleness,
+            engine_options=dict(torch_threads=cfg.rollout.torch_threads, trust_remote_code=cfg.model.trust_remote_code),
+        ),
+        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=1),
+        num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",
+    )
+    ds = ds.map_batches(
+        Reward,
+        fn_constructor_kwargs=dict(
+            functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error
+        ),
+        compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
+        batch_size=None, batch_format="pandas",
+    )
+    ds = ds.map_batches(
+        Advantage, fn_constructor_kwargs=dict(estimator=cfg.algorithm.advantage),
+        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
+    )
+    return ds.map_batches(
+        Train,
+        fn_constructor_kwargs=dict(
+            workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps,
+            success_threshold=cfg.reward.success_threshold,
+        ),
+        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
+    )
+
+
+def iter_steps(ds: ray.data.Dataset) -> Iterator[dict]:
+    # prefetch 0: the consumer must never hold a step that training is waiting to finish
+    for batch in ds.iter_batches(batch_size=None, batch_format="pandas", prefetch_batches=0):
+        yield from batch.to_dict("records")
+
+
+# Set in every Ray worker: quiet libraries, no hub access, CPU DeepSpeed.
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_memory_mb: int = 512) -> None:
+    """Join a cluster at `address`, or start a local, loopback-only one."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster bound to loopback
+    local = address is None
+    ray.init(
+        address=address,
+        num_cpus=num_cpus if local else None,
+        object_store_memory=object_store_memory_mb * 2**20 if local else None,
+        include_dashboard=False,
+        logging_level=os.environ.get("STREAMRL_RAY_LOG_LEVEL", "warning"),
+        runtime_env={"env_vars": WORKER_ENV},
+    )
+
+
+@contextlib.contextmanager
+def ray_session(cfg: JobConfig):
+    """Use the caller's Ray (a test, a notebook), else start or join one for this job."""
+    if ray.is_initialized():
+        yield
+        return
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.object_store_memory_mb)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def run_job(cfg: JobConfig, echo: Callable[[str], None] = print) -> JobResult:
+    prompts, source = load_prompts(cfg.data)
+    model_path = resolve_model_path(cfg.model)
+    schedule = schedule_groups(prompts, cfg)
+    output_dir = Path(cfg.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(cfg, prompts, source) if cfg.tracking.enabled else NullTracker()
+    echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
+         f"max_staleness={cfg.train.max_staleness}, model {model_path}")
+    echo(f"streamrl: MLflow {tracker.run_url}")
+    rows, status = [], "FAILED"
+    try:
+        with ray_session(cfg):
+            store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
+            store = create_policy_store(store_name)
+            workers, placement = start_trainer_group(cfg, model_path, store_name)
+            try:
+                ds = build_rl_dataset(schedule, cfg, model_path, store_name, workers)
+                progress = Progress(cfg.train.steps, echo)
+                for row in iter_steps(ds):
+                    tracker.log_step(row)
+                    progress.update(row)
+                    rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
+                checkpoint = _save_checkpoint(workers, model_path, output_dir, tracker, cfg.train.steps)
+            finally:
+                for actor in [*workers, store]:
+                    ray.kill(actor)
+        status = "FINISHED"
+    finally:
+        tracker.close(status)
+    echo(f"streamrl: done; checkpoint {checkpoint}; MLflow run {tracker.run_id}")
+    return JobResult(tracker.run_id, pd.DataFrame(rows), checkpoint, model_path, placement, output_dir)
+
+
+def _save_checkpoint(workers, model_path: str, output_dir: Path, tracker, step: int) -> Path:
+    """Write the policy as an HF folder (weights + tokenizer) and link it to the run and step."""
+    from transformers import AutoTokenizer
+
+    name = f"{tracker.run_id or time.strftime('%Y%m%d-%H%M%S')}"
+    path = output_dir / "checkpoints" / name / f"step_{step:06d}"
+    path.mkdir(parents=True, exist_ok=True)
+    ray.get([worker.save_pretrained.remote(str(path)) for worker in workers])
+    AutoTokenizer.from_pretrained(model_path, local_files_only=True).save_pretrained(str(path))
+    tracker.log_checkpoint(path, step)
+    return path

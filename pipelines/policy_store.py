@@ -1,0 +1,49 @@
+"""The weight channel: a named Ray actor holding the latest (version, weights).
+
+Train publishes after every optimizer step; generators ask for the version before each
+batch (cheap) and pull weights only when theirs is older. Weights travel as one object
+in the object store (a dict of numpy arrays: zero-copy gets); the store keeps only the
+latest reference so old versions are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class PolicyStore:
+    def __init__(self, initial_version: int = 0):
+        # Version `initial_version` is the weights every generator loads from the model folder,
+        # so it needs no reference here; only later versions carry weights.
+        self.version = initial_version
+        self.weights_ref = None
+        self.changed = asyncio.Condition()
+        self.publish_times: list[float] = []
+
+    async def publish(self, version: int, weights_ref_box: list) -> None:
+        """`weights_ref_box` is `[ray.put(state_dict)]`: boxed so Ray passes the reference."""
+        async with self.changed:
+            if version <= self.version:
+                raise ValueError(f"version {version} is not newer than the stored {self.version}")
+            self.version, self.weights_ref = version, weights_ref_box[0]
+            self.changed.notify_all()
+
+    async def get_version(self) -> int:
+        return self.version
+
+    async def wait_for(self, min_version: int, timeout_s: float | None = None) -> int:
+        """Block until a version >= min_version exists; return the latest version."""
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: self.version >= min_version), timeout_s)
+            return self.version
+
+    async def get_latest(self) -> tuple[int, list]:
+        return self.version, [self.weights_ref]
+
+
+def create_policy_store(name: str, initial_version: int = 0):
+    """Start the store as a named actor (so operators find it by name) and return its handle."""
+    return PolicyStore.options(name=name).remote(initial_version)

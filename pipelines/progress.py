@@ -1,0 +1,30 @@
+"""One line per train step on the terminal: where the job is and how long is left."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Progress:
+    def __init__(self, total_steps: int, echo: Callable[[str], None] = print):
+        self.total_steps = total_steps
+        self.echo = echo
+        self.start = time.perf_counter()
+        self.done = 0
+
+    def update(self, row: dict) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / self.done * (self.total_steps - self.done)
+        self.echo(
+            f"step {int(row['step']) + 1:>4}/{self.total_steps}"
+            f" | reward {row['reward_mean']:.3f} | success {row['success_rate']:.2f}"
+            f" | loss {row['policy_loss']:+.4f} | staleness {row['staleness_mean']:.1f}/{row['staleness_max']}"
+            f" | {row['tokens_per_s']:,.0f} tok/s | elapsed {_duration(elapsed)} | left {_duration(left)}"
+        )
