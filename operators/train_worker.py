@@ -135,14 +135,15 @@ class TrainWorker:
         )
         loss = self._aggregate(per_token_loss, mask, global_tokens, global_sequences)
         self.engine.backward(loss)
+        own_norm = self._plain_grad_norm() if settings.zero_stage == 0 else None
         self.engine.step()
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(logits.detach()), mask).item()
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         self.version += 1
         publish_seconds = self._publish() if self.rank == 0 else 0.0
         return {
-            "policy_loss": loss.item() * self.world_size,
+            "policy_loss": loss.item(),  # rank losses average to the global loss (see _aggregate)
             "entropy": entropy,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "num_tokens": int(mask.sum().item()),
@@ -150,6 +151,12 @@ class TrainWorker:
             "publish_seconds": publish_seconds,
             **{key: float(value) for key, value in stats.items()},
         }
+
+    def _plain_grad_norm(self) -> float:
+        """Global gradient norm before clipping. Without ZeRO, DeepSpeed does not report it;
+        gradients are already averaged over ranks after backward, so this is the global one."""
+        grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(self.torch.linalg.vector_norm(self.torch.stack([self.torch.linalg.vector_norm(g) for g in grads])))
 
     def _full_state_dict(self) -> dict[str, np.ndarray]:
         """Full fp32 weights as numpy arrays (ZeRO-3 shards are gathered on every rank)."""
