@@ -16,12 +16,17 @@ class Progress:
         self.total_steps = total_steps
         self.echo = echo
         self.start = time.perf_counter()
+        self.first_step_end: float | None = None
         self.done = 0
 
     def update(self, row: dict) -> None:
         self.done += 1
-        elapsed = time.perf_counter() - self.start
-        left = elapsed / self.done * (self.total_steps - self.done)
+        now = time.perf_counter()
+        elapsed = now - self.start
+        if self.first_step_end is None:  # start-up (actors, first weights) is not a step's cost
+            self.first_step_end = now
+        per_step = (now - self.first_step_end) / (self.done - 1) if self.done > 1 else elapsed
+        left = per_step * (self.total_steps - self.done)
         self.echo(
             f"step {int(row['step']) + 1:>4}/{self.total_steps}"
             f" | reward {row['reward_mean']:.3f} | success {row['success_rate']:.2f}"
