@@ -9,8 +9,8 @@ also enforces admission control against the policy store:
 Input rows need a `prompt` column. If a row has `train_step` and a policy store is given,
 the group is generated only once the store holds a version >= train_step - max_staleness,
 with the newest weights the store has. Output adds `prompt_token_ids`, `responses`,
-`response_token_ids`, `behavior_logprobs`, `response_lengths`, `policy_version` and
-`time_generate`; all other columns pass through.
+`response_token_ids`, `behavior_logprobs`, `response_lengths`, `policy_version`,
+`time_generate` and `time_weight_sync`; all other columns pass through.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Generate:
         self.admission_timeout_s = admission_timeout_s
         self.store = None
         self.policy_version = 0  # the weights loaded from model_path
+        self.weight_sync_seconds = 0.0  # pulled and loaded since the last batch left
         if policy_store is not None:
             import ray
 
@@ -72,9 +73,11 @@ class Generate:
         else:
             latest = ray.get(self.store.wait_for.remote(min_version, self.admission_timeout_s))
         if latest > self.policy_version:
+            start = time.perf_counter()
             version, (weights_ref,) = ray.get(self.store.get_latest.remote())
             self.engine.load_weights(ray.get(weights_ref))
             self.policy_version = version
+            self.weight_sync_seconds += time.perf_counter() - start
 
     def _call_seed(self, batch: pd.DataFrame) -> int:
         """Stable per-call seed: same rows and policy version -> same samples."""
@@ -94,4 +97,6 @@ class Generate:
         batch["response_lengths"] = [[len(tokens) for tokens in group.token_ids] for group in groups]
         batch["policy_version"] = self.policy_version
         batch["time_generate"] = (time.perf_counter() - start) / max(len(batch), 1)
+        batch["time_weight_sync"] = self.weight_sync_seconds / max(len(batch), 1)
+        self.weight_sync_seconds = 0.0
         return batch

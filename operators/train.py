@@ -23,7 +23,7 @@ ROLLOUT_COLUMNS = [
     "prompt_id", "group_uid", "epoch", "policy_version", "train_step", "staleness", "prompt",
     "responses", "response_lengths", "rewards", "advantages", "reward_errors",
 ]
-STAGES = ("generate", "reward", "advantage")
+STAGES = ("generate", "weight_sync", "reward", "advantage")
 
 
 class Train:

@@ -111,8 +111,30 @@ class DataConfig(_Section):
         return self
 
 
+class VLLMOptions(_Section):
+    gpu_memory_utilization: float = Field(
+        0.2, gt=0, le=1, description="Fraction of accelerator memory for vLLM's KV cache; on CPU, of the "
+        "CPU KV-cache space (0.1-0.3 on small machines)."
+    )
+    max_model_len: int = Field(256, ge=16, description="Longest prompt + response vLLM schedules.")
+    enforce_eager: bool = Field(True, description="Skip CUDA-graph / compile warm-up (required on CPU).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="vLLM compute dtype; float32 matches the trainer's log-probs most closely."
+    )
+
+
+def vllm_installed() -> bool:
+    from operators.engines.vllm import vllm_available
+
+    return vllm_available()
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (Hugging Face generate).")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation engine: 'hf' (Hugging Face generate, always available) or 'vllm' "
+        "(install with `make install-vllm-cpu` on CPU machines, `make install-vllm-gpu` on GPU ones)."
+    )
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine settings (engine: vllm).")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the group size).")
     max_new_tokens: int = Field(4, ge=1, description="Most tokens generated per response.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
@@ -124,6 +146,16 @@ class RolloutConfig(_Section):
     )
     num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per generate actor (fractions allowed).")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per generate actor.")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_installed(cls, engine: str) -> str:
+        if engine == "vllm" and not vllm_installed():
+            raise ValueError(
+                "vLLM is not installed in this environment; run `make install-vllm-cpu` (CPU) or "
+                "`make install-vllm-gpu` (GPU), or use engine: hf"
+            )
+        return engine
 
 
 class RewardFunctionConfig(_Section):

@@ -72,6 +72,14 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
 
 
+def engine_options(cfg: JobConfig) -> dict:
+    """Constructor options of the configured rollout engine."""
+    options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
+    if cfg.rollout.engine == "vllm":
+        options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
+    return options
+
+
 def build_rl_dataset(schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers) -> ray.data.Dataset:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
@@ -85,7 +93,7 @@ def build_rl_dataset(schedule: list[pd.DataFrame], cfg: JobConfig, model_path: s
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
             max_staleness=cfg.train.max_staleness,
-            engine_options=dict(torch_threads=cfg.rollout.torch_threads, trust_remote_code=cfg.model.trust_remote_code),
+            engine_options=engine_options(cfg),
         ),
         compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=1),
         num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",

