@@ -40,7 +40,7 @@ class TrainerSettings:
 class TrainWorker:
     def __init__(self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str):
         os.environ.update({
-            "MASTER_ADDR": "127.0.0.1" if world_size == 1 else os.environ.get("STREAMRL_MASTER_ADDR", "127.0.0.1"),
+            "MASTER_ADDR": os.environ.get("STREAMRL_MASTER_ADDR", "127.0.0.1"),
             "MASTER_PORT": str(master_port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
         })

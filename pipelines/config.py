@@ -7,7 +7,6 @@ every problem with its field path and the fix, so a user fixes the file in one p
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any, Literal, Optional
 

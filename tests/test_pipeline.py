@@ -6,7 +6,6 @@ group is trained exactly once, and the run's lineage is in MLflow."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import mlflow

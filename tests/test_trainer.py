@@ -7,7 +7,6 @@ and loss: the token-level loss is normalised by the global token count, not per 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from pipelines.config import load_config
 from pipelines.policy_store import create_policy_store
