@@ -80,7 +80,13 @@ def engine_options(cfg: JobConfig) -> dict:
     return options
 
 
-def build_rl_dataset(schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers) -> ray.data.Dataset:
+def build_rl_dataset(
+    schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers,
+    remote_args: dict[str, dict] | None = None,
+) -> ray.data.Dataset:
+    """The DAG. `remote_args` adds Ray options per stage ("generate", "reward"), e.g.
+    {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}."""
+    remote_args = remote_args or {}
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
     ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
@@ -97,6 +103,7 @@ def build_rl_dataset(schedule: list[pd.DataFrame], cfg: JobConfig, model_path: s
         ),
         compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=1),
         num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",
+        **remote_args.get("generate", {}),
     )
     ds = ds.map_batches(
         Reward,
@@ -104,7 +111,7 @@ def build_rl_dataset(schedule: list[pd.DataFrame], cfg: JobConfig, model_path: s
             functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error
         ),
         compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
-        batch_size=None, batch_format="pandas",
+        batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
     )
     ds = ds.map_batches(
         Advantage, fn_constructor_kwargs=dict(estimator=cfg.algorithm.advantage),
