@@ -10,11 +10,14 @@ Input rows need a `prompt` column. If a row has `train_step` and a policy store 
 the group is generated only once the store holds a version >= train_step - max_staleness,
 with the newest weights the store has. Output adds `prompt_token_ids`, `responses`,
 `response_token_ids`, `behavior_logprobs`, `response_lengths`, `policy_version`,
-`time_generate` and `time_weight_sync`; all other columns pass through.
+`time_generate`, `time_weight_sync` and the call's busy interval: `generator_id`,
+`generate_start`, `generate_end` (wall clock; weight pull included, admission wait
+excluded). All other columns pass through.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from typing import Iterator
@@ -46,6 +49,8 @@ class Generate:
         self.store = None
         self.policy_version = 0  # the weights loaded from model_path
         self.weight_sync_seconds = 0.0  # pulled and loaded since the last batch left
+        self.busy_since: float | None = None  # wall clock when this call's work began
+        self.generator_id = f"{os.uname().nodename}:{os.getpid()}"
         if policy_store is not None:
             import ray
 
@@ -65,6 +70,7 @@ class Generate:
     def _sync_weights(self, min_version: int | None) -> None:
         """Wait for an admissible policy version, then pull the weights if ours are older."""
         if self.store is None:
+            self.busy_since = time.time()
             return
         import ray
 
@@ -72,6 +78,7 @@ class Generate:
             latest = ray.get(self.store.get_version.remote())
         else:
             latest = ray.get(self.store.wait_for.remote(min_version, self.admission_timeout_s))
+        self.busy_since = time.time()  # admitted: waiting is over, pulling weights is work
         if latest > self.policy_version:
             start = time.perf_counter()
             version, (weights_ref,) = ray.get(self.store.get_latest.remote())
@@ -98,5 +105,8 @@ class Generate:
         batch["policy_version"] = self.policy_version
         batch["time_generate"] = (time.perf_counter() - start) / max(len(batch), 1)
         batch["time_weight_sync"] = self.weight_sync_seconds / max(len(batch), 1)
+        batch["generator_id"] = self.generator_id
+        batch["generate_start"] = self.busy_since
+        batch["generate_end"] = time.time()
         self.weight_sync_seconds = 0.0
         return batch

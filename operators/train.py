@@ -12,6 +12,7 @@ steps through the admission gate.
 from __future__ import annotations
 
 import io
+import json
 import time
 from collections import defaultdict
 from typing import Iterator, Sequence
@@ -59,6 +60,7 @@ class Train:
     def _run_step(self, step: int, rows: list[dict]) -> pd.DataFrame:
         import ray
 
+        wall_start = time.time()
         start = time.perf_counter()
         waited = start - self.last_step_end  # trainer idle: waiting for this step's data
         samples = _explode(rows)
@@ -83,7 +85,10 @@ class Train:
             "trainer_idle_fraction_cum": self.idle_seconds / max(self.idle_seconds + self.busy_seconds, 1e-9),
             "policy_version": step + 1,
         }
-        return pd.DataFrame([{**metrics, "rollouts_parquet": _to_parquet(table)}])
+        # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
+        # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
+        timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows)})
+        return pd.DataFrame([{**metrics, "timeline": timeline, "rollouts_parquet": _to_parquet(table)}])
 
 
 def _explode(rows: list[dict]) -> dict[str, list]:
@@ -96,6 +101,15 @@ def _explode(rows: list[dict]) -> dict[str, list]:
             samples["behavior_logprobs"].append(list(row["behavior_logprobs"][index]))
             samples["advantages"].append(float(row["advantages"][index]))
     return dict(samples)
+
+
+def _generate_intervals(rows: list[dict]) -> list[tuple[str, float, float]]:
+    """Distinct generate calls that produced these rows: (generator id, start, end)."""
+    calls = {
+        (row["generator_id"], float(row["generate_start"]), float(row["generate_end"]))
+        for row in rows if row.get("generate_start") is not None
+    }
+    return sorted(calls, key=lambda call: call[1])
 
 
 def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:

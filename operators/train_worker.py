@@ -38,7 +38,11 @@ class TrainerSettings:
 
 
 class TrainWorker:
-    def __init__(self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str):
+    def __init__(
+        self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str | None
+    ):
+        """`policy_store`: name of the store actor rank 0 publishes to; None to publish nowhere
+        (a plain single-process loop pulls weights with `state_dict()` instead)."""
         os.environ.update({
             "MASTER_ADDR": os.environ.get("STREAMRL_MASTER_ADDR", "127.0.0.1"),
             "MASTER_PORT": str(master_port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -75,7 +79,7 @@ class TrainWorker:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.pad_id = model.config.pad_token_id or 0
-        self.store = ray.get_actor(policy_store) if rank == 0 else None
+        self.store = ray.get_actor(policy_store) if rank == 0 and policy_store else None
         self.version = 0
 
     def ready(self) -> dict:
@@ -141,7 +145,7 @@ class TrainWorker:
             entropy = masked_mean(entropy_from_logits(logits.detach()), mask).item()
         grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         self.version += 1
-        publish_seconds = self._publish() if self.rank == 0 else 0.0
+        publish_seconds = self._publish() if self.store is not None else 0.0
         return {
             "policy_loss": loss.item(),  # rank losses average to the global loss (see _aggregate)
             "entropy": entropy,
@@ -157,6 +161,9 @@ class TrainWorker:
         gradients are already averaged over ranks after backward, so this is the global one."""
         grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
         return float(self.torch.linalg.vector_norm(self.torch.stack([self.torch.linalg.vector_norm(g) for g in grads])))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self._full_state_dict()
 
     def _full_state_dict(self) -> dict[str, np.ndarray]:
         """Full fp32 weights as numpy arrays (ZeRO-3 shards are gathered on every rank)."""

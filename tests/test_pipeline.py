@@ -6,6 +6,7 @@ group is trained exactly once, and the run's lineage is in MLflow."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow
@@ -53,6 +54,13 @@ def test_staleness_bound_and_exactly_once(ray_cluster, tmp_path, max_staleness):
     assert (metrics["staleness_max"] <= max_staleness).all()
     # Groups were fed to the step they were scheduled for, in prompt order of the epoch.
     assert groups.groupby("train_step").size().tolist() == [GROUPS] * STEPS
+    # The gate in wall-clock terms: step s is generated only after the training that makes
+    # version s - max_staleness (train step s - max_staleness - 1) has started.
+    timelines = [json.loads(t) for t in metrics["timeline"]]
+    for step in range(max_staleness + 1, STEPS):
+        gate_train_start = timelines[step - max_staleness - 1]["train"][0]
+        starts = [start for _, start, _ in timelines[step]["generate"]]
+        assert starts and min(starts) > gate_train_start, (step, starts, gate_train_start)
 
 
 def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
@@ -71,6 +79,8 @@ def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
                    "tokens_per_s", "time_generate", "time_reward", "time_train", "trainer_idle_fraction"):
         history = client.get_metric_history(result.run_id, metric)
         assert sorted(m.step for m in history) == list(range(STEPS)), metric
+    (efficiency,) = client.get_metric_history(result.run_id, "job_overlap_efficiency")
+    assert efficiency.step == STEPS and 0.0 < efficiency.value <= 1.0 + 1e-9
     groups = rollouts_of(result.run_id)
     for column in ("prompt_id", "group_uid", "policy_version", "train_step", "responses", "rewards", "advantages"):
         assert groups[column].notna().all(), column
