@@ -1,0 +1,293 @@
+"""Throughput of one job in five schedules: where streaming with bounded staleness wins.
+
+    python benchmarks/throughput.py [--steps 12] [--engine hf|vllm] [--modes plain,sync,stream0,stream1,stream2]
+
+The same job (model, prompts, seeds, steps; benchmarks/throughput.yaml) runs as:
+
+  plain    one Python process, no Ray: generate -> reward -> advantage -> train -> load
+           weights, in turn, 2 torch threads each (the floor for framework overhead)
+  sync     the DAG at max_staleness 0, colocated: generation and training take turns,
+           each with the whole machine (2 threads each)
+  stream0  the DAG at max_staleness 0, disjoint resources (1 thread generation, 1 training)
+  stream1  the DAG at max_staleness 1, disjoint resources
+  stream2  the DAG at max_staleness 2, disjoint resources
+
+Each mode runs in its own process (fresh Ray, fresh memory). Printed per mode: samples/s
+and tokens/s over the steady window (first generate start -> last train end), the whole
+wall time including start-up, trainer and generator idle fractions and the overlap
+efficiency (pipelines/timeline.py). Writes benchmarks/results/throughput.json and
+throughput.png and logs both, with every figure, to MLflow (runs/bench/mlflow.db).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT)] if str(ROOT) not in sys.path else []
+RESULTS = HERE / "results"
+CONFIG = HERE / "throughput.yaml"
+
+MODES = {
+    "plain": dict(staleness=0, gen_threads=2, train_threads=2, text="plain loop, no Ray, 2 threads"),
+    "sync": dict(staleness=0, gen_threads=2, train_threads=2, text="DAG, staleness 0, colocated (turns, 2 threads each)"),
+    "stream0": dict(staleness=0, gen_threads=1, train_threads=1, text="DAG, staleness 0, disjoint (1 + 1 thread)"),
+    "stream1": dict(staleness=1, gen_threads=1, train_threads=1, text="DAG, staleness 1, disjoint (1 + 1 thread)"),
+    "stream2": dict(staleness=2, gen_threads=1, train_threads=1, text="DAG, staleness 2, disjoint (1 + 1 thread)"),
+}
+
+
+def mode_config(mode: str, model_path: str, args) -> "JobConfig":
+    from pipelines.config import load_config
+
+    spec = MODES[mode]
+    overrides = [
+        f"model.path={model_path}", f"rollout.engine={args.engine}", f"train.steps={args.steps}",
+        f"train.max_staleness={spec['staleness']}",
+        f"rollout.torch_threads={spec['gen_threads']}", f"train.torch_threads={spec['train_threads']}",
+        # Ray's CPU accounting: both stages fit on the 2 CPUs with room for reward/advantage/train ops.
+        "rollout.num_cpus=0.8", "train.num_cpus=0.8",
+        f"tracking.run_name=throughput-{mode}", *args.set,
+    ]
+    return load_config(CONFIG, overrides)
+
+
+def run_plain(cfg, model_path: str) -> list[dict]:
+    """The same work in one process, in turn, no Ray: the floor for framework overhead."""
+    import torch
+
+    from operators.advantage import Advantage
+    from operators.generate import Generate
+    from operators.reward import Reward
+    from operators.train import _explode
+    from operators.train_worker import TrainWorker
+    from pipelines.datasets import load_prompts
+    from pipelines.grpo import engine_options, schedule_groups
+    from pipelines.trainer_group import _free_port, trainer_settings
+
+    torch.set_num_threads(cfg.train.torch_threads)
+    prompts, _ = load_prompts(cfg.data)
+    calls = schedule_groups(prompts, cfg)
+    generate = Generate(
+        model_path, engine=cfg.rollout.engine, n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.train.seed,
+        engine_options=engine_options(cfg),
+    )
+    reward = Reward([(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error)
+    advantage = Advantage(cfg.algorithm.advantage)
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, model_path), None)
+    timelines, version = [], 0
+    for step in range(cfg.train.steps):
+        rows, intervals = [], []
+        for frame in (c for c in calls if int(c["train_step"].iloc[0]) == step):
+            for out in generate(frame):
+                intervals.append(("plain", float(out["generate_start"].iloc[0]), float(out["generate_end"].iloc[0])))
+                rows.extend(advantage(reward(out)).to_dict("records"))
+        start = time.time()
+        samples = _explode(rows)
+        tokens = int(sum(len(t) for t in samples["response_token_ids"]))
+        result = worker.train_step(samples, tokens, len(samples["advantages"]))
+        version += 1
+        generate.engine.load_weights(worker.state_dict())  # on-policy: the next step samples the new weights
+        generate.policy_version = version
+        end = time.time()
+        rewards = [r for row in rows for r in row["rewards"]]
+        timelines.append({
+            "train": (start, end), "generate": intervals, "step": step, "generated_tokens":
+            int(sum(sum(row["response_lengths"]) for row in rows)), "samples": len(samples["advantages"]),
+            "reward_mean": sum(rewards) / len(rewards), "policy_loss": result["policy_loss"], "staleness_max": 0,
+        })
+        print(f"plain step {step + 1}/{cfg.train.steps} generate {sum(e - s for _, s, e in intervals):.1f}s "
+              f"train {end - start:.1f}s", flush=True)
+    return timelines
+
+
+def run_dag(cfg) -> tuple[list[dict], str | None]:
+    from pipelines.grpo import run_job
+
+    result = run_job(cfg)
+    timelines = []
+    for row in result.metrics.to_dict("records"):
+        timelines.append({
+            **json.loads(row["timeline"]), "step": int(row["step"]), "generated_tokens": int(row["generated_tokens"]),
+            "samples": int(row["num_groups"]) * cfg.rollout.n, "reward_mean": row["reward_mean"],
+            "policy_loss": row["policy_loss"], "staleness_max": int(row["staleness_max"]),
+        })
+    return timelines, result.run_id
+
+
+def run_one(mode: str, model_path: str, args) -> dict:
+    """Runs in a child process; returns this mode's figures."""
+    from pipelines.timeline import overlap_report
+
+    cfg = mode_config(mode, model_path, args)
+    start = time.time()
+    run_id = None
+    if mode == "plain":
+        timelines = run_plain(cfg, model_path)
+    else:
+        timelines, run_id = run_dag(cfg)
+    wall = time.time() - start
+    report = overlap_report(timelines)
+    samples = sum(t["samples"] for t in timelines)
+    tokens = sum(t["generated_tokens"] for t in timelines)
+    return {
+        "mode": mode, **MODES[mode], "mlflow_run_id": run_id, "steps": len(timelines),
+        "samples": samples, "generated_tokens": tokens, "wall_s": wall,
+        "samples_per_s": samples / report["window_s"], "tokens_per_s": tokens / report["window_s"],
+        "samples_per_s_incl_startup": samples / wall,
+        "staleness_max": max(t["staleness_max"] for t in timelines),
+        "reward_first": timelines[0]["reward_mean"], "reward_last": timelines[-1]["reward_mean"],
+        **report, "timelines": timelines,
+    }
+
+
+def build_bench_model(size: str) -> tuple[str, int]:
+    from generate_throughput import build_model  # an untrained Llama with the character tokenizer
+
+    path, params = build_model(size, Path.home() / ".cache" / "streamrl" / "bench-models")
+    return str(path), params
+
+
+def summarise(results: dict[str, dict]) -> dict:
+    ratios = {}
+    def ratio(a: str, b: str, key: str = "samples_per_s") -> None:
+        if a in results and b in results:
+            ratios[f"{a}/{b} {key}"] = results[a][key] / results[b][key]
+    ratio("stream2", "stream0")
+    ratio("stream2", "sync")
+    ratio("stream1", "stream0")
+    ratio("stream2", "plain")
+    if "sync" in results and "plain" in results:
+        ratios["sync/plain window (framework overhead)"] = results["sync"]["window_s"] / results["plain"]["window_s"]
+        ratios["sync/plain wall incl. start-up"] = results["sync"]["wall_s"] / results["plain"]["wall_s"]
+    return ratios
+
+
+def print_table(results: dict[str, dict], ratios: dict) -> None:
+    print(f"\n{'mode':<8} {'samples/s':>9} {'tok/s':>7} {'window':>7} {'wall':>6} {'gen busy':>8} {'train busy':>10} "
+          f"{'gen idle':>8} {'train idle':>10} {'overlap eff':>11} {'stale max':>9}")
+    for mode, r in results.items():
+        print(f"{mode:<8} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>7.1f} {r['window_s']:>6.1f}s {r['wall_s']:>5.0f}s "
+              f"{r['generator_busy_s']:>7.1f}s {r['trainer_busy_s']:>9.1f}s {r['generator_idle_fraction']:>8.2f} "
+              f"{r['trainer_idle_fraction']:>10.2f} {r['overlap_efficiency']:>11.2f} {r['staleness_max']:>9}")
+    print()
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.2f}x")
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    modes = list(results)
+    left.bar(modes, [results[m]["samples_per_s"] for m in modes], color="tab:blue")
+    for index, mode in enumerate(modes):
+        left.text(index, results[mode]["samples_per_s"], f"{results[mode]['samples_per_s']:.2f}\n"
+                  f"eff {results[mode]['overlap_efficiency']:.2f}", ha="center", va="bottom", fontsize=8)
+    left.set_ylabel("samples / s (steady window)")
+    left.set_title("throughput")
+    for index, mode in enumerate(modes):  # Gantt: generate (top) and train (bottom) busy intervals per mode
+        timelines = results[mode]["timelines"]
+        origin = min(s for t in timelines for _, s, _ in t["generate"])
+        y = index * 3
+        right.broken_barh([(s - origin, e - s) for t in timelines for _, s, e in t["generate"]], (y + 1, 0.9),
+                          color="tab:orange")
+        right.broken_barh([(t["train"][0] - origin, t["train"][1] - t["train"][0]) for t in timelines], (y, 0.9),
+                          color="tab:green")
+    right.set_yticks([i * 3 + 1 for i in range(len(modes))], modes)
+    right.set_xlabel("seconds from first generate (orange: generate, green: train)")
+    right.set_title("busy intervals")
+    fig.suptitle(f"streamrl throughput, {platform.node()} ({os.cpu_count()} CPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def log_to_mlflow(record: dict, json_path: Path, png_path: Path) -> str:
+    import mlflow
+
+    from pipelines.config import load_config
+
+    cfg = load_config(CONFIG)
+    mlflow.set_tracking_uri(cfg.tracking_uri())
+    if mlflow.get_experiment_by_name("streamrl-benchmarks") is None:
+        mlflow.create_experiment("streamrl-benchmarks",
+                                 artifact_location=(Path(cfg.output_dir).resolve() / "mlartifacts").as_uri())
+    mlflow.set_experiment("streamrl-benchmarks")
+    with mlflow.start_run(run_name="throughput") as run:
+        mlflow.log_params({k: v for k, v in record["settings"].items()})
+        for mode, r in record["modes"].items():
+            mlflow.log_metrics({f"{mode}.{k}": float(r[k]) for k in (
+                "samples_per_s", "tokens_per_s", "window_s", "wall_s", "overlap_efficiency",
+                "trainer_idle_fraction", "generator_idle_fraction")})
+            if r.get("mlflow_run_id"):
+                mlflow.set_tag(f"run.{mode}", r["mlflow_run_id"])
+        mlflow.log_metrics({k.replace("/", "_over_").replace(" ", "_").replace("(", "").replace(")", ""): v
+                            for k, v in record["ratios"].items()})
+        mlflow.log_artifact(str(json_path))
+        mlflow.log_artifact(str(png_path))
+        return run.info.run_id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    parser.add_argument("--size", default="medium", help="model size from generate_throughput.SIZES")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every mode")
+    parser.add_argument("--name", default="throughput", help="results file stem")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: run this mode only
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    model_path, params = build_bench_model(args.size)
+    if args.one:
+        Path(args.out).write_text(json.dumps(run_one(args.one, model_path, args)))
+        return
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    print(f"model {model_path} ({params / 1e6:.1f}M parameters), engine {args.engine}, {args.steps} steps, modes {modes}")
+    results = {}
+    for mode in modes:
+        out = RESULTS / f".{args.name}-{mode}.json"
+        print(f"\n=== {mode}: {MODES[mode]['text']}", flush=True)
+        command = [sys.executable, __file__, "--one", mode, "--out", str(out), "--steps", str(args.steps),
+                   "--engine", args.engine, "--size", args.size] + [x for s in args.set for x in ("--set", s)]
+        subprocess.run(command, check=True, cwd=ROOT)
+        results[mode] = json.loads(out.read_text())
+        out.unlink()
+        r = results[mode]
+        print(f"=== {mode}: {r['samples_per_s']:.2f} samples/s, window {r['window_s']:.1f}s, wall {r['wall_s']:.0f}s, "
+              f"overlap efficiency {r['overlap_efficiency']:.2f}", flush=True)
+    ratios = summarise(results)
+    print_table(results, ratios)
+    record = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
+        "settings": {"engine": args.engine, "model_size": args.size, "params": params, "steps": args.steps,
+                     "overrides": " ".join(args.set) or "-", "config": str(CONFIG.relative_to(ROOT))},
+        "modes": results, "ratios": ratios,
+    }
+    json_path, png_path = RESULTS / f"{args.name}.json", RESULTS / f"{args.name}.png"
+    json_path.write_text(json.dumps(record, indent=1))
+    plot(results, png_path)
+    run_id = log_to_mlflow(record, json_path, png_path)
+    print(f"\nwrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}; MLflow run {run_id}")
+
+
+if __name__ == "__main__":
+    main()
