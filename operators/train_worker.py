@@ -35,6 +35,7 @@ class TrainerSettings:
     clip_eps_high: float = 0.2
     max_new_tokens: int = 16
     trust_remote_code: bool = False
+    micro_batch_tokens: int = 0
 
 
 class TrainWorker:
@@ -109,8 +110,12 @@ class TrainWorker:
             advantages[row, span] = float(samples["advantages"][row])
         return input_ids, attention, mask, old_logprobs, advantages
 
-    def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int):
-        """Aggregate so that the DeepSpeed gradient average over ranks equals the global aggregate."""
+    def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int, share: float = 1.0):
+        """Aggregate so that the DeepSpeed gradient average over ranks equals the global aggregate.
+
+        Aggregations normalised by a global count (tokens, sequences) are sums over samples,
+        so micro-batch losses add up exactly; one that averages over its own batch
+        (seq_mean_token_mean) is weighted by the micro-batch's `share` of the rank's sequences."""
         from operators.losses import LOSS_AGGREGATIONS
 
         aggregate = LOSS_AGGREGATIONS.get(self.settings.loss_aggregation)
@@ -120,40 +125,85 @@ class TrainWorker:
             "max_tokens": self.settings.max_new_tokens,
         }
         accepted = inspect.signature(aggregate).parameters
-        return aggregate(per_token_loss, mask, **{k: v for k, v in options.items() if k in accepted})
+        loss = aggregate(per_token_loss, mask, **{k: v for k, v in options.items() if k in accepted})
+        linear = any(k in accepted for k in ("num_tokens", "num_sequences"))
+        return loss if linear else loss * share
+
+    def micro_batches(self, samples: dict) -> list[list[int]]:
+        """Sample indices per micro-batch: sorted by length, cut so that no micro-batch pads to more
+        than `micro_batch_tokens` tokens (0: one batch, in arrival order). On long-tailed response
+        lengths this removes most padding: short responses no longer pad to the longest one."""
+        count = len(samples["advantages"])
+        budget = self.settings.micro_batch_tokens
+        if not budget:
+            return [list(range(count))] if count else []
+        lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+        batches, current, width = [], [], 0
+        for index in sorted(range(count), key=lambda i: lengths[i]):
+            grown = max(width, lengths[index])
+            if current and grown * (len(current) + 1) > budget:
+                batches.append(current)
+                current, grown = [], lengths[index]
+            current.append(index)
+            width = grown
+        return batches + ([current] if current else [])
 
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
-        """One optimizer step on this rank's shard; rank 0 then publishes version + 1."""
-        from operators.losses import POLICY_LOSSES, entropy_from_logits, masked_mean, token_logprobs
+        """One optimizer step on this rank's shard; rank 0 then publishes version + 1.
+
+        The shard may be split into micro-batches (`micro_batch_tokens`); their losses are
+        summed into one backward pass, so the step equals the unsplit one (up to float
+        reassociation) under every loss aggregation and ZeRO stage."""
+        from operators.losses import POLICY_LOSSES, entropy_from_logits, token_logprobs
 
         torch, settings = self.torch, self.settings
         start = time.perf_counter()
         self.engine.train()
-        input_ids, attention, mask, old_logprobs, advantages = self._batch_tensors(samples)
-        logits = self.engine(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()  # [B, L-1, V]
-        logits = logits / settings.temperature
-        logprobs = token_logprobs(logits, input_ids[:, 1:])  # [B, L-1]
-        per_token_loss, stats = POLICY_LOSSES.get(settings.policy_loss)(
-            logprobs, old_logprobs, advantages, mask,
-            clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
-        )
-        loss = self._aggregate(per_token_loss, mask, global_tokens, global_sequences)
+        batches = self.micro_batches(samples)
+        if not batches:
+            raise ValueError("train_step got no samples")
+        valid_sequences = sum(1 for r in samples["response_token_ids"] if len(r))
+        loss, tokens, entropy_sum, merged = 0.0, 0, 0.0, {}
+        for indices in batches:
+            part = {key: [values[i] for i in indices] for key, values in samples.items()}
+            input_ids, attention, mask, old_logprobs, advantages = self._batch_tensors(part)
+            logits = self.engine(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()  # [B, L-1, V]
+            logits = logits / settings.temperature
+            logprobs = token_logprobs(logits, input_ids[:, 1:])  # [B, L-1]
+            per_token_loss, stats = POLICY_LOSSES.get(settings.policy_loss)(
+                logprobs, old_logprobs, advantages, mask,
+                clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
+            )
+            part_valid = sum(1 for r in part["response_token_ids"] if len(r))
+            loss = loss + self._aggregate(per_token_loss, mask, global_tokens, global_sequences,
+                                          share=part_valid / max(valid_sequences, 1))
+            part_tokens = int(mask.sum().item())
+            with torch.no_grad():
+                entropy_sum += float((entropy_from_logits(logits.detach()) * mask).sum().item())
+            for key, value in stats.items():  # token-weighted means; maxima stay maxima
+                if key.endswith("_max"):
+                    merged[key] = max(merged.get(key, float("-inf")), float(value))
+                else:
+                    merged[key] = merged.get(key, 0.0) + float(value) * part_tokens
+            tokens += part_tokens
+        for key in merged:
+            if not key.endswith("_max"):
+                merged[key] /= max(tokens, 1)
         self.engine.backward(loss)
         own_norm = self._plain_grad_norm() if settings.zero_stage == 0 else None
         self.engine.step()
-        with torch.no_grad():
-            entropy = masked_mean(entropy_from_logits(logits.detach()), mask).item()
         grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         self.version += 1
         publish_seconds = self._publish() if self.store is not None else 0.0
         return {
             "policy_loss": loss.item(),  # rank losses average to the global loss (see _aggregate)
-            "entropy": entropy,
+            "entropy": entropy_sum / max(tokens, 1),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "num_tokens": int(mask.sum().item()),
+            "num_tokens": tokens,
+            "micro_batches": len(batches),
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
-            **{key: float(value) for key, value in stats.items()},
+            **merged,
         }
 
     def _plain_grad_norm(self) -> float:
