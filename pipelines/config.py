@@ -8,10 +8,10 @@ every problem with its field path and the fix, so a user fixes the file in one p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 BUILTIN_DATASET_PREFIX = "builtin:"
@@ -38,6 +38,23 @@ class ConfigError(Exception):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _schedulable_gpus(value: float) -> float:
+    if value > 1 and value != int(value):
+        raise ValueError(f"{value} GPUs cannot be scheduled; use a fraction below 1 or a whole number")
+    return value
+
+
+def _positive_resources(resources: dict[str, float]) -> dict[str, float]:
+    bad = {name: amount for name, amount in resources.items() if amount <= 0 or name in ("CPU", "GPU")}
+    if bad:
+        raise ValueError(f"{bad}: custom resources need an amount > 0, and CPU/GPU go in num_cpus/num_gpus")
+    return resources
+
+
+GpuCount = Annotated[float, Field(ge=0), AfterValidator(_schedulable_gpus)]
+CustomResources = Annotated[dict[str, float], AfterValidator(_positive_resources)]
 
 
 class ModelConfig(_Section):
@@ -144,6 +161,14 @@ class RolloutConfig(_Section):
         "Smaller calls let fast actors pull more work."
     )
     num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per generate actor (fractions allowed).")
+    num_gpus: GpuCount = Field(
+        0, description="GPUs reserved per generate actor: 1 per vLLM engine on a GPU node; a fraction "
+        "below 1 shares a GPU (e.g. 0.5 beside a trainer rank on a 1-GPU machine)."
+    )
+    resources: CustomResources = Field(
+        default_factory=dict, description="Custom Ray resources per generate actor, e.g. {rollout_node: 1} to keep "
+        "generation on the nodes started with `ray start --resources '{\"rollout_node\": 8}'`."
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per generate actor.")
 
     @field_validator("engine")
@@ -247,7 +272,27 @@ class TrainConfig(_Section):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage 0-3.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Training precision.")
     num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per trainer rank.")
+    num_gpus: GpuCount = Field(0, description="GPUs reserved per trainer rank (1 on GPU clusters).")
+    resources: CustomResources = Field(
+        default_factory=dict, description="Custom Ray resources per trainer rank, e.g. {train_node: 1}."
+    )
+    placement: Literal["NONE", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "NONE", description="How the trainer ranks are placed. NONE: one by one, meeting on 127.0.0.1 (one machine "
+        "only). Otherwise a placement group reserves every rank at once (no half-started group) with this strategy: "
+        "PACK (few nodes, best effort), STRICT_PACK (all ranks on one node, e.g. one NVLink island), SPREAD (many "
+        "nodes, best effort), STRICT_SPREAD (one rank per node); ranks then meet at rank 0's node IP."
+    )
+    placement_timeout_s: float = Field(
+        300, gt=0, description="Seconds to wait for the cluster to have room for every trainer rank before the "
+        "job fails (an autoscaler may need minutes to add nodes)."
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per trainer rank.")
+    micro_batch_tokens: int = Field(
+        0, ge=0,
+        description="Split each rank's samples, sorted by length, into micro-batches padded to at most this "
+        "many tokens (0: one batch). Cuts padding on long-tailed lengths; the losses share one backward, "
+        "so the step is unchanged.",
+    )
     seed: int = Field(0, description="Seed of the trainer and the samplers.")
 
 
@@ -261,12 +306,29 @@ class TrackingConfig(_Section):
     run_name: Optional[str] = Field(None, description="MLflow run name; default is MLflow's.")
 
 
+class NodeGroup(_Section):
+    count: int = Field(1, ge=1, description="Nodes of this shape.")
+    num_cpus: float = Field(ge=0, description="CPUs per node, as Ray counts them (`ray start --num-cpus`).")
+    num_gpus: float = Field(0, ge=0, description="GPUs per node.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per node.")
+
+
 class RayConfig(_Section):
     address: Optional[str] = Field(
-        None, description="Ray cluster to join; unset starts a local one for this job."
+        None, description="Ray cluster to join; unset starts a local one for this job (inside a job submitted "
+        "with `streamrl submit` or `ray job submit`, the job's own cluster is joined)."
     )
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the local cluster; default all.")
     object_store_memory_mb: int = Field(512, ge=64, description="Object store size of the local cluster.")
+    include_dashboard: bool = Field(False, description="Start Ray's dashboard with the local cluster.")
+    dashboard_host: str = Field(
+        "127.0.0.1", description="Interface the local cluster's dashboard binds to; loopback unless you mean "
+        "to expose it (0.0.0.0 lets anyone who reaches this machine submit code)."
+    )
+    cluster: Optional[list[NodeGroup]] = Field(
+        None, description="The cluster this config is written for, e.g. [{count: 2, num_cpus: 96, num_gpus: 8}]. "
+        "When set, validation checks that every actor and the trainer placement fit on it."
+    )
 
 
 class JobConfig(_Section):
@@ -296,6 +358,10 @@ class JobConfig(_Section):
             )
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
+        if self.ray.cluster is not None:
+            from pipelines.resources import declared_nodes, plan_problems
+
+            problems += [f"ray.cluster: {text}" for text in plan_problems(self, declared_nodes(self.ray.cluster))]
         _raise_at(problems)
         return self
 

@@ -1,0 +1,74 @@
+"""The GPU configs load, and their resource plan fits the cluster each one declares.
+
+They cannot run here (no GPU): this checks what can be checked on a CPU machine. Their
+model and prompt paths point at a real cluster's storage, so a stand-in model folder and
+prompt file replace them; vLLM is swapped for hf only where vLLM is not installed, since
+the engine does not change the plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipelines.config import ConfigError, load_config, vllm_installed
+from pipelines.resources import declared_nodes, plan_problems, totals
+
+ROOT = Path(__file__).resolve().parents[1]
+# Not in configs/ itself: their model and prompt paths exist only on a GPU cluster, so they
+# validate here with stand-ins (below), not as they are.
+GPU_DIR = ROOT / "configs" / "gpu"
+GPU_CONFIGS = {"gpu_1.yaml": 1, "gpu_8.yaml": 8, "gpu_16.yaml": 16}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> list[str]:
+    folder = tmp_path_factory.mktemp("stand_ins")
+    model = folder / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    prompts = folder / "train.parquet"
+    pd.DataFrame({"prompt": ["1+1="], "answer": ["2"]}).to_parquet(prompts)
+    overrides = [f"model.path={model}", f"data.path={prompts}"]
+    return overrides if vllm_installed() else overrides + ["rollout.engine=hf"]
+
+
+def test_every_gpu_config_is_covered():
+    assert sorted(p.name for p in GPU_DIR.glob("*.yaml")) == sorted(GPU_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_config_loads_and_fits_its_cluster(name, stand_ins):
+    cfg = load_config(GPU_DIR / name, stand_ins)  # validation includes the plan check
+    gpus = GPU_CONFIGS[name]
+    assert sum(group.count * group.num_gpus for group in cfg.ray.cluster) == gpus
+    planned = totals(cfg)
+    assert planned["GPU"] == gpus  # every GPU used, none asked twice
+    assert cfg.rollout.num_actors * cfg.rollout.num_gpus + cfg.train.world_size * cfg.train.num_gpus == gpus
+    assert plan_problems(cfg, declared_nodes(cfg.ray.cluster)) == []
+    assert cfg.model.trust_remote_code is False
+    assert cfg.train.placement != "NONE" and cfg.train.dtype == "bf16"
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_config_refused_on_a_smaller_cluster(name, stand_ins):
+    """The plan check can fail: one GPU fewer on every node and the config is refused."""
+    cfg = load_config(GPU_DIR / name, stand_ins)
+    smaller = [group.model_dump() | {"num_gpus": max(group.num_gpus - 1, 0)} for group in cfg.ray.cluster]
+    with pytest.raises(ConfigError) as err:
+        load_config(GPU_DIR / name, stand_ins + [f"ray.cluster={json.dumps(smaller)}"])
+    assert "ray.cluster: " in str(err.value) and "GPU" in str(err.value)
+
+
+def test_strict_pack_needs_one_node_with_room_for_every_rank(stand_ins):
+    """16 GPUs in total are not enough when the 8 ranks must share one node of 4 GPUs."""
+    cluster = json.dumps([
+        {"count": 1, "num_cpus": 8},
+        {"count": 1, "num_cpus": 64, "num_gpus": 8, "resources": {"rollout_node": 8}},
+        {"count": 2, "num_cpus": 64, "num_gpus": 4, "resources": {"train_node": 4}},
+    ])
+    with pytest.raises(ConfigError) as err:
+        load_config(GPU_DIR / "gpu_16.yaml", stand_ins + [f"ray.cluster={cluster}"])
+    assert "STRICT_PACK puts all 8 ranks" in str(err.value)
