@@ -30,10 +30,11 @@ from operators.reward import Reward
 from operators.train import Train
 from pipelines.config import BUILTIN_MODEL_PREFIX, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
-from pipelines.lineage import NullTracker, Tracker
+from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
-from pipelines.trainer_group import start_trainer_group
+from pipelines.resources import stage_options
+from pipelines.trainer_group import start_trainer_group, stop_trainer_group
 
 
 @dataclass
@@ -133,7 +134,8 @@ def iter_steps(ds: ray.data.Dataset) -> Iterator[dict]:
         yield from batch.to_dict("records")
 
 
-# Set in every Ray worker: quiet libraries, no hub access, CPU DeepSpeed.
+# Set in every Ray worker: quiet libraries, no hub access, CPU DeepSpeed unless a trainer rank has a GPU
+# (trainer_group sets DS_ACCELERATOR per rank).
 WORKER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_VERBOSITY": "error",
@@ -143,17 +145,24 @@ WORKER_ENV = {
 }
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_memory_mb: int = 512) -> None:
-    """Join a cluster at `address`, or start a local, loopback-only one."""
+def init_ray(
+    address: str | None = None, num_cpus: int | None = None, object_store_memory_mb: int = 512,
+    include_dashboard: bool = False, dashboard_host: str = "127.0.0.1",
+) -> None:
+    """Join the cluster at `address`, or the one a submitted job runs in (Ray sets RAY_ADDRESS
+    for job drivers); otherwise start a local one, its dashboard (if any) on `dashboard_host`."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster bound to loopback
-    local = address is None
+    local_only = {}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        local_only = dict(
+            num_cpus=num_cpus, object_store_memory=object_store_memory_mb * 2**20,
+            include_dashboard=include_dashboard, dashboard_host=dashboard_host,
+        )
     ray.init(
         address=address,
-        num_cpus=num_cpus if local else None,
-        object_store_memory=object_store_memory_mb * 2**20 if local else None,
-        include_dashboard=False,
         logging_level=os.environ.get("STREAMRL_RAY_LOG_LEVEL", "warning"),
         runtime_env={"env_vars": WORKER_ENV},
+        **local_only,
     )
 
 
@@ -163,7 +172,10 @@ def ray_session(cfg: JobConfig):
     if ray.is_initialized():
         yield
         return
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.object_store_memory_mb)
+    init_ray(
+        cfg.ray.address, cfg.ray.num_cpus, cfg.ray.object_store_memory_mb,
+        cfg.ray.include_dashboard, cfg.ray.dashboard_host,
+    )
     try:
         yield
     finally:
@@ -179,15 +191,16 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print) -> JobResult:
     tracker = Tracker(cfg, prompts, source) if cfg.tracking.enabled else NullTracker()
     echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
          f"max_staleness={cfg.train.max_staleness}, model {model_path}")
-    echo(f"streamrl: MLflow {tracker.run_url}")
+    echo(announce_run(tracker))
     rows, status = [], "FAILED"
     try:
         with ray_session(cfg):
             store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
             store = create_policy_store(store_name)
             workers, placement = start_trainer_group(cfg, model_path, store_name)
+            tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
             try:
-                ds = build_rl_dataset(schedule, cfg, model_path, store_name, workers)
+                ds = build_rl_dataset(schedule, cfg, model_path, store_name, workers, stage_options(cfg))
                 progress = Progress(cfg.train.steps, echo)
                 for row in iter_steps(ds):
                     tracker.log_step(row)
@@ -195,8 +208,8 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print) -> JobResult:
                     rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
                 checkpoint = _save_checkpoint(workers, model_path, output_dir, tracker, cfg.train.steps)
             finally:
-                for actor in [*workers, store]:
-                    ray.kill(actor)
+                stop_trainer_group(workers)
+                ray.kill(store)
         status = "FINISHED"
     finally:
         tracker.close(status)

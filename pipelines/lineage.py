@@ -9,6 +9,8 @@ final checkpoint, tagged with the step that made it.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -18,9 +20,21 @@ from pipelines.config import BUILTIN_DATASET_PREFIX, JobConfig, flatten
 
 PACKAGES = ("torch", "ray", "deepspeed", "mlflow", "transformers", "pyarrow", "pydantic", "streamrl")
 NON_METRIC_COLUMNS = {"step", "rollouts_parquet"}
+CODE_VERSION_ENV = "STREAMRL_CODE_VERSION"
+# The line a job prints when its run starts; `streamrl submit` finds it in the job's logs.
+RUN_ANNOUNCEMENT = re.compile(r"^streamrl: MLflow run (?P<run_id>\w+) (?P<url>\S+)", re.MULTILINE)
+
+
+def announce_run(tracker) -> str:
+    if tracker.run_id is None:
+        return "streamrl: MLflow tracking disabled"
+    return f"streamrl: MLflow run {tracker.run_id} {tracker.run_url}"
 
 
 def _code_version() -> str:
+    # A submitted job runs from an uploaded copy without .git; `streamrl submit` passes the commit.
+    if os.environ.get(CODE_VERSION_ENV):
+        return os.environ[CODE_VERSION_ENV]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
@@ -79,7 +93,11 @@ class Tracker:
 
     @property
     def run_url(self) -> str:
-        return f"{self.mlflow.get_tracking_uri()} run {self.run_id}"
+        """The run's page on a tracking server, else the tracking URI (open it with `mlflow ui`)."""
+        uri = self.mlflow.get_tracking_uri()
+        if uri.startswith(("http://", "https://")):
+            return f"{uri.rstrip('/')}/#/experiments/{self.run.info.experiment_id}/runs/{self.run_id}"
+        return uri
 
     def log_step(self, row: dict) -> None:
         step = int(row["step"])

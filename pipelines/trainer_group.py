@@ -1,18 +1,34 @@
-"""Start the DeepSpeed worker group: `world_size` Ray actors, one rank each."""
+"""Start the DeepSpeed worker group: `world_size` Ray actors, one rank each.
+
+With `train.placement` set to a placement-group strategy (PACK, SPREAD, STRICT_PACK,
+STRICT_SPREAD) every rank's resources are reserved at once, before any rank starts, so a
+cluster that cannot hold the whole group fails the job with a clear error instead of
+half-starting it. The ranks then meet at rank 0's node (its IP, a port free there); rank
+0 goes on the driver's node when a bundle landed there, so the checkpoint it writes is on
+the driver's disk. `NONE` schedules ranks one by one and meets on 127.0.0.1: one machine only.
+"""
 
 from __future__ import annotations
 
 import socket
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from operators.train_worker import TrainerSettings, TrainWorker
 from pipelines.config import JobConfig
 
 
+class TrainerGroup(list):
+    """The rank actors, in rank order, plus the placement group holding them (or None)."""
+
+    placement_group = None
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
@@ -33,17 +49,78 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         clip_eps_low=cfg.algorithm.clip_eps_low,
         clip_eps_high=cfg.algorithm.clip_eps_high,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
         trust_remote_code=cfg.model.trust_remote_code,
     )
 
 
-def start_trainer_group(cfg: JobConfig, model_path: str, policy_store: str) -> tuple[list, list[dict]]:
-    """Create the ranks, wait until every one has initialised DeepSpeed; return handles and placement."""
+def _reserve(cfg: JobConfig):
+    """Reserve one bundle per rank; return the group and its bundle indices in rank order."""
+    bundle = {"CPU": cfg.train.num_cpus, "GPU": cfg.train.num_gpus, **cfg.train.resources}
+    bundle = {key: amount for key, amount in bundle.items() if amount}
+    group = placement_group([bundle] * cfg.train.world_size, strategy=cfg.train.placement)
+    ready, _ = ray.wait([group.ready()], timeout=cfg.train.placement_timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"train.placement: the cluster found no room for {cfg.train.world_size} trainer rank(s) of {bundle} "
+            f"({cfg.train.placement}) within train.placement_timeout_s={cfg.train.placement_timeout_s:g}; "
+            f"free now: {ray.available_resources()}. Lower train.world_size or its resources, or add nodes"
+        )
+    nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    here = ray.get_runtime_context().get_node_id()
+    # Rank 0 writes the checkpoint: keep it on the driver's node when a bundle is there.
+    order = sorted(range(cfg.train.world_size), key=lambda index: (nodes[index] != here, index))
+    return group, order, nodes[order[0]]
+
+
+def _rendezvous_on(node_id: str) -> tuple[str, int]:
+    """Rank 0's node IP and a port free on that node."""
+    address = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
+    pick = ray.remote(num_cpus=0)(_free_port).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    )
+    return address, ray.get(pick.remote())
+
+
+def start_trainer_group(cfg: JobConfig, model_path: str, policy_store: str) -> tuple[TrainerGroup, list[dict]]:
+    """Create the ranks, wait until every one has initialised DeepSpeed; return handles and placement.
+
+    Stop it with `stop_trainer_group`, which also frees the placement group."""
     settings = trainer_settings(cfg, model_path)
-    port = _free_port()
-    actor = ray.remote(TrainWorker).options(num_cpus=cfg.train.num_cpus, max_concurrency=1)
-    workers = [
-        actor.remote(rank, cfg.train.world_size, port, settings, policy_store) for rank in range(cfg.train.world_size)
-    ]
-    placement = ray.get([worker.ready.remote() for worker in workers])
+    workers = TrainerGroup()
+    options = [{} for _ in range(cfg.train.world_size)]
+    env = {"DS_ACCELERATOR": "cuda" if cfg.train.num_gpus else "cpu"}
+    if cfg.train.placement == "NONE":
+        port = _free_port()
+    else:
+        workers.placement_group, order, rank0_node = _reserve(cfg)
+        master_addr, port = _rendezvous_on(rank0_node)
+        env["STREAMRL_MASTER_ADDR"] = master_addr
+        options = [
+            {"scheduling_strategy": PlacementGroupSchedulingStrategy(workers.placement_group, bundle_index)}
+            for bundle_index in order
+        ]
+    actor = ray.remote(TrainWorker)
+    common = dict(
+        num_cpus=cfg.train.num_cpus, num_gpus=cfg.train.num_gpus, resources=cfg.train.resources or None,
+        max_concurrency=1, runtime_env={"env_vars": env},
+    )
+    try:
+        for rank in range(cfg.train.world_size):
+            workers.append(
+                actor.options(**common, **options[rank]).remote(rank, cfg.train.world_size, port, settings, policy_store)
+            )
+        placement = ray.get([worker.ready.remote() for worker in workers])
+    except BaseException:
+        stop_trainer_group(workers)
+        raise
     return workers, placement
+
+
+def stop_trainer_group(workers: list) -> None:
+    for worker in workers:
+        ray.kill(worker)
+    group = getattr(workers, "placement_group", None)
+    if group is not None:
+        remove_placement_group(group)

@@ -1,0 +1,289 @@
+"""Scale-out, for real: a two-node Ray cluster and an MLflow server, both on 127.0.0.1.
+
+The head and a second node are real `ray start` processes (each its own raylet; the second
+one carries a custom `rollout_node` resource); MLflow is a real `mlflow server`. The tiny
+job goes in with `streamrl submit`, as a user would, and the test checks what lands in the
+server and where each actor ran: generate on the second node only, the two DeepSpeed ranks
+on both nodes.
+
+Every server runs in its own session (setsid) on fresh ports, under its own temp folder;
+teardown kills each session's processes, also when a test fails, and never touches another
+Ray cluster on the machine (no `ray stop`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv's bin: `ray`, `mlflow`, and the jobs' `python`
+STEPS = 6
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session `sid`: the leader and everything it started."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+class Sessions:
+    """Processes started each in a new session, all killed on `stop()`."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.folder / f"{name}.log", "wb")
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.folder,
+            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})},
+        )
+        self.procs[name] = proc
+        return proc
+
+    def start_until_ready(self, name: str, argv: list[str], env: dict, ready, timeout_s: float, attempts: int = 3):
+        """Start, wait for `ready()`; retry a process that died while starting. Ray gives a node
+        a fixed 30 s to register, which a busy 2-core machine can miss."""
+        for attempt in range(1, attempts + 1):
+            self.start(f"{name}-{attempt}", argv, env)
+            try:
+                return wait_until(ready, timeout_s, name, self, f"{name}-{attempt}")
+            except RuntimeError:  # exited early
+                if attempt == attempts:
+                    raise
+                self.kill_session(f"{name}-{attempt}")
+
+    def kill_session(self, name: str) -> None:
+        for pid in session_members(self.procs[name].pid):
+            with_suppressed(os.kill, pid, signal.SIGKILL)
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def members(self) -> list[int]:
+        return [pid for proc in self.procs.values() for pid in session_members(proc.pid)]
+
+    def stop(self) -> None:
+        for sig, grace_s in ((signal.SIGTERM, 8.0), (signal.SIGKILL, 8.0)):
+            for pid in self.members():
+                with_suppressed(os.kill, pid, sig)
+            deadline = time.monotonic() + grace_s
+            while self.members() and time.monotonic() < deadline:
+                for proc in self.procs.values():
+                    proc.poll()  # reap our direct children
+                time.sleep(0.2)
+            if not self.members():
+                break
+        left = self.members()
+        assert not left, f"processes still running after SIGKILL: {left}"
+
+
+def with_suppressed(fn, *args) -> None:
+    try:
+        fn(*args)
+    except ProcessLookupError:
+        pass
+
+
+def wait_until(check, timeout_s: float, what: str, sessions: "Sessions", name: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception:  # not up yet
+            pass
+        if sessions.procs[name].poll() is not None:
+            raise RuntimeError(f"{name} exited ({sessions.procs[name].returncode}):\n{sessions.log(name)}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not ready after {timeout_s:g} s:\n{sessions.log(name)}")
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
+
+
+@pytest.fixture(scope="module")
+def servers():
+    # Short path: Ray's unix sockets live under the temp dir and paths must stay < 108 bytes.
+    folder = Path(tempfile.mkdtemp(prefix="srl-", dir="/tmp"))
+    sessions = Sessions(folder)
+    try:
+        yield sessions
+    finally:
+        try:
+            sessions.stop()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(servers):
+    """Head (2 CPUs) + second node (2 CPUs, resource rollout_node), job server on loopback."""
+    gcs, dashboard = free_port(), free_port()
+    common = ["--block", "--num-cpus", "2", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    head_argv = [
+        str(BIN / "ray"), "start", "--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
+        "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+        "--temp-dir", str(servers.folder / "head"), *common,
+    ]
+    address = f"http://127.0.0.1:{dashboard}"
+    servers.start_until_ready("ray-head", head_argv, env, lambda: http_ok(f"{address}/api/version"), 120)
+    node_argv = [
+        str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--resources", json.dumps({"rollout_node": 2}),
+        "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+        # Its own temp dir, as on a separate machine: nodes sharing one would share the unpacked
+        # working dir, and one node's runtime-env agent deletes it under the other's job driver.
+        "--temp-dir", str(servers.folder / "node2"), *common,
+    ]
+    from ray.util.state import list_nodes
+
+    def two_nodes():
+        alive = list_nodes(address=address, filters=[("state", "=", "ALIVE")])
+        return alive if len(alive) == 2 else None
+
+    nodes = servers.start_until_ready("ray-node2", node_argv, env, two_nodes, 120)
+    head = next(node.node_id for node in nodes if node.is_head_node)
+    second = next(node.node_id for node in nodes if not node.is_head_node)
+    return {"address": address, "head": head, "second": second}
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(servers):
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    servers.start_until_ready("mlflow", [
+        str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{servers.folder / 'mlflow.db'}",
+        "--artifacts-destination", str(servers.folder / "mlflow-artifacts"),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ], {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, lambda: http_ok(f"{uri}/health"), 120, attempts=1)
+    return uri
+
+
+def streamrl_submit(address: str, *overrides: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "pipelines.cli", "submit", "configs/tiny_grpo.yaml", "--address", address]
+    args += [part for item in overrides for part in ("--set", item)]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
+def jobs_on(address: str) -> list:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address).list_jobs()
+
+
+def test_bad_config_or_unplaceable_job_starts_nothing(cluster):
+    bad = streamrl_submit(cluster["address"], "train.lr=-1", "rollout.num_actors=0")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "train.lr" in bad.stderr and "rollout.num_actors" in bad.stderr
+    # Valid, but asks for a GPU that no node has: it would wait forever, so it is refused.
+    unplaceable = streamrl_submit(cluster["address"], "rollout.num_gpus=1")
+    assert unplaceable.returncode == 2, unplaceable.stdout + unplaceable.stderr
+    assert "does not fit the cluster" in unplaceable.stderr and "generate needs 1 x {CPU: 0.5, GPU: 1}" in unplaceable.stderr
+    assert jobs_on(cluster["address"]) == []
+
+
+def test_submitted_job_trains_across_nodes_and_tracks_to_server(cluster, mlflow_server, tmp_path, monkeypatch):
+    started = time.monotonic()
+    done = streamrl_submit(
+        cluster["address"],
+        f"train.steps={STEPS}", "train.groups_per_step=4", "rollout.n=4", "rollout.groups_per_call=2",
+        "data.num_prompts=32", "train.world_size=2", "train.placement=STRICT_SPREAD",
+        "rollout.resources={rollout_node: 1}", f"tracking.uri={mlflow_server}", "tracking.experiment=cluster",
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "SUCCEEDED" in output
+    (job,) = jobs_on(cluster["address"])
+    assert job.status == "SUCCEEDED" and job.submission_id in output
+    assert ".venv" in job.runtime_env["excludes"] and "runs" in job.runtime_env["excludes"]
+    run_line = next(line for line in output.splitlines() if line.startswith("streamrl submit: MLflow run "))
+    run_id, url = run_line.split()[4:6]
+    assert url.startswith(f"{mlflow_server}/#/experiments/") and url.endswith(run_id)
+    print(f"submit -> SUCCEEDED in {time.monotonic() - started:.1f} s")
+
+    # Read everything back through the server only, from a folder that has no local copy.
+    monkeypatch.chdir(tmp_path)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.world_size"] == "2" and run.data.params["train.steps"] == str(STEPS)
+    assert run.data.tags["code_version"] not in ("", "unknown")  # passed by submit; .git is not uploaded
+    for metric in ("reward_mean", "success_rate", "policy_loss", "staleness_max", "time_train"):
+        history = client.get_metric_history(run_id, metric)
+        assert sorted(m.step for m in history) == list(range(STEPS)), metric
+    rollout_files = sorted(a.path for a in client.list_artifacts(run_id, "rollouts"))
+    assert len(rollout_files) == STEPS, rollout_files
+    groups = pd.concat([pd.read_parquet(client.download_artifacts(run_id, path, str(tmp_path))) for path in rollout_files])
+    assert len(groups) == STEPS * 4 and groups["group_uid"].is_unique
+    assert set(groups["train_step"]) == set(range(STEPS))
+    checkpoint = run.data.tags["checkpoint.latest"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run_id, checkpoint)
+    }
+    local = Path(client.download_artifacts(run_id, f"{checkpoint}/config.json", str(tmp_path)))
+    assert json.loads(local.read_text())["model_type"] == "llama"
+
+    # Two ranks, one on each node (STRICT_SPREAD); rank 0 beside the driver, on the head.
+    ranks = {run.data.tags[f"trainer.rank{rank}.node_id"] for rank in (0, 1)}
+    assert ranks == {cluster["head"], cluster["second"]}
+    assert run.data.tags["trainer.rank0.node_id"] == cluster["head"]
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=cluster["address"], limit=1000, detail=True)
+    generate_nodes = {actor.node_id for actor in actors if "Generate" in actor.class_name}
+    trainer_nodes = {actor.node_id for actor in actors if actor.class_name == "TrainWorker"}
+    assert generate_nodes == {cluster["second"]}  # only the second node has rollout_node
+    assert trainer_nodes == {cluster["head"], cluster["second"]}
+
+
+def test_teardown_kills_a_server_and_everything_it_started(tmp_path):
+    """What the fixtures rely on, also after a failed test: a session's whole process tree
+    goes, including children that outlive their parent, and nothing outside it."""
+    sessions = Sessions(tmp_path)
+    outsider = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        leader = sessions.start("tree", ["bash", "-c", "(sleep 300 &) ; trap '' TERM; sleep 300; true"])
+        wait_until(lambda: len(session_members(leader.pid)) >= 2, 30, "process tree", sessions, "tree")
+        sessions.stop()  # the leader and one sleep ignore SIGTERM: SIGKILL must follow
+        assert session_members(leader.pid) == []
+        assert outsider.poll() is None  # another session is left alone
+    finally:
+        outsider.kill()
+        outsider.wait()
