@@ -72,6 +72,8 @@ def main() -> None:
     print(f"run-to-run noise (largest spread across seeds of one setting): {noise:.3f}")
     for s, gap in gaps.items():
         print(f"  staleness {s} - staleness {base}: {gap:+.3f} -> {'within' if abs(gap) <= noise else 'OUTSIDE'} noise")
+        paired = [last10[s][seed] - last10[base][seed] for seed in seeds]
+        print(f"  paired by seed (same prompt order and sampler seeds): {', '.join(f'{x:+.3f}' for x in paired)}")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seeds": seeds, "steps": args.steps,
