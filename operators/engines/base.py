@@ -47,4 +47,8 @@ def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
         from operators.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_path, **options)
-    raise ValueError(f"unknown rollout engine {name!r}; use 'hf' or 'vllm'")
+    elif name == "sim":  # a cost model, not a model: `model_path` is its JSON file (benchmarks/simulate_cluster.py)
+        from operators.engines.sim import SimEngine
+
+        return SimEngine(model_path, **options)
+    raise ValueError(f"unknown rollout engine {name!r}; use 'hf', 'vllm' or 'sim'")
