@@ -42,7 +42,12 @@ MODES = {
     "stream0": dict(staleness=0, gen_threads=1, train_threads=1, text="DAG, staleness 0, disjoint (1 + 1 thread)"),
     "stream1": dict(staleness=1, gen_threads=1, train_threads=1, text="DAG, staleness 1, disjoint (1 + 1 thread)"),
     "stream2": dict(staleness=2, gen_threads=1, train_threads=1, text="DAG, staleness 2, disjoint (1 + 1 thread)"),
+    # Work-conserving variants (not disjoint): the slower stage gets both cores' threads and
+    # shares one core with the other stage while that one is busy.
+    "stream2_g2": dict(staleness=2, gen_threads=2, train_threads=1, text="DAG, staleness 2, generator 2 threads, trainer 1"),
+    "stream2_t2": dict(staleness=2, gen_threads=1, train_threads=2, text="DAG, staleness 2, generator 1 thread, trainer 2"),
 }
+DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
 
 def mode_config(mode: str, model_path: str, args) -> "JobConfig":
@@ -110,10 +115,18 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     return timelines
 
 
-def run_dag(cfg) -> tuple[list[dict], str | None]:
-    from pipelines.grpo import run_job
+def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | None]:
+    import ray
 
-    result = run_job(cfg)
+    from pipelines.grpo import init_ray, run_job
+
+    init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=cfg.ray.object_store_memory_mb)
+    try:
+        result = run_job(cfg)
+        if ray_timeline:  # Ray's own task/actor-call trace (chrome://tracing, Perfetto)
+            ray.timeline(filename=ray_timeline)
+    finally:
+        ray.shutdown()
     timelines = []
     for row in result.metrics.to_dict("records"):
         timelines.append({
@@ -134,7 +147,7 @@ def run_one(mode: str, model_path: str, args) -> dict:
     if mode == "plain":
         timelines = run_plain(cfg, model_path)
     else:
-        timelines, run_id = run_dag(cfg)
+        timelines, run_id = run_dag(cfg, args.ray_timeline and str(RESULTS / f"ray_timeline_{mode}.json"))
     wall = time.time() - start
     report = overlap_report(timelines)
     samples = sum(t["samples"] for t in timelines)
@@ -166,6 +179,9 @@ def summarise(results: dict[str, dict]) -> dict:
     ratio("stream2", "sync")
     ratio("stream1", "stream0")
     ratio("stream2", "plain")
+    for variant in ("stream2_g2", "stream2_t2"):
+        ratio(variant, "sync")
+        ratio(variant, "stream0")
     if "sync" in results and "plain" in results:
         ratios["sync/plain window (framework overhead)"] = results["sync"]["window_s"] / results["plain"]["window_s"]
         ratios["sync/plain wall incl. start-up"] = results["sync"]["wall_s"] / results["plain"]["wall_s"]
@@ -245,9 +261,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--size", default="medium", help="model size from generate_throughput.SIZES")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"any of {', '.join(MODES)}")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every mode")
     parser.add_argument("--name", default="throughput", help="results file stem")
+    parser.add_argument("--ray-timeline", action="store_true", help="also dump Ray's trace per DAG mode")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: run this mode only
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -268,6 +285,7 @@ def main() -> None:
         print(f"\n=== {mode}: {MODES[mode]['text']}", flush=True)
         command = [sys.executable, __file__, "--one", mode, "--out", str(out), "--steps", str(args.steps),
                    "--engine", args.engine, "--size", args.size] + [x for s in args.set for x in ("--set", s)]
+        command += ["--ray-timeline"] if args.ray_timeline else []
         subprocess.run(command, check=True, cwd=ROOT)
         results[mode] = json.loads(out.read_text())
         out.unlink()

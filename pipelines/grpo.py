@@ -33,6 +33,7 @@ from pipelines.datasets import load_prompts
 from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
+from pipelines.timeline import overlap_report
 from pipelines.resources import stage_options
 from pipelines.trainer_group import start_trainer_group, stop_trainer_group
 
@@ -206,6 +207,11 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print) -> JobResult:
                     tracker.log_step(row)
                     progress.update(row)
                     rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
+                overlap = overlap_report([row["timeline"] for row in rows])
+                tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()}})
+                echo(f"streamrl: overlap efficiency {overlap['overlap_efficiency']:.2f} "
+                     f"(trainer idle {overlap['trainer_idle_fraction']:.0%}, "
+                     f"generators idle {overlap['generator_idle_fraction']:.0%} over {overlap['window_s']:.0f}s)")
                 checkpoint = _save_checkpoint(workers, model_path, output_dir, tracker, cfg.train.steps)
             finally:
                 stop_trainer_group(workers)
