@@ -194,7 +194,7 @@ def mlflow_server(servers):
     return uri
 
 
-def streamrl_submit(address: str, *overrides: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+def streamrl_submit(address: str, *overrides: str, timeout_s: float = 720) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "pipelines.cli", "submit", "configs/tiny_grpo.yaml", "--address", address]
     args += [part for item in overrides for part in ("--set", item)]
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)

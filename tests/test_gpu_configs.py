@@ -72,3 +72,18 @@ def test_strict_pack_needs_one_node_with_room_for_every_rank(stand_ins):
     with pytest.raises(ConfigError) as err:
         load_config(GPU_DIR / "gpu_16.yaml", stand_ins + [f"ray.cluster={cluster}"])
     assert "STRICT_PACK puts all 8 ranks" in str(err.value)
+
+
+def test_plan_of_the_tiny_job_on_two_cpu_nodes():
+    """The layout of tests/test_cluster.py: fits with STRICT_SPREAD; NONE cannot meet across nodes;
+    a generate actor asking for a resource no node has is refused by name."""
+    from pipelines.resources import Node
+
+    nodes = [Node("head", {"CPU": 2}), Node("second", {"CPU": 2, "rollout_node": 2})]
+    base = ["train.world_size=2", "rollout.n=4", "rollout.resources={rollout_node: 1}"]
+    assert plan_problems(load_config(None, base + ["train.placement=STRICT_SPREAD"]), nodes) == []
+    (problem,) = plan_problems(load_config(None, base), nodes)
+    assert problem.startswith("train.placement: NONE meets the ranks on 127.0.0.1")
+    (problem,) = plan_problems(load_config(None, ["rollout.resources={gpu_node: 1}"]), nodes)
+    assert problem.startswith("generate needs 1 x {CPU: 0.5, gpu_node: 1} but only 0 fit")
+    assert nodes[0].free == {"CPU": 2}  # the caller's nodes are not consumed
