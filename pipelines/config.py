@@ -416,7 +416,10 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key.strip():
             problems.append((item, "expected KEY=VALUE, e.g. --set train.lr=0.001"))
             continue
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        try:
+            parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        except yaml.YAMLError as err:  # safe_load refuses python tags too: nothing is constructed
+            problems.append((key.strip(), f"value is not valid YAML ({str(err).splitlines()[0]}); quote it or fix it"))
     if problems:
         raise ConfigError(problems, "--set")
     return parsed

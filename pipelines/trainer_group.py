@@ -62,7 +62,7 @@ def _reserve(cfg: JobConfig):
     ready, _ = ray.wait([group.ready()], timeout=cfg.train.placement_timeout_s)
     if not ready:
         remove_placement_group(group)
-        raise RuntimeError(
+        raise TimeoutError(
             f"train.placement: the cluster found no room for {cfg.train.world_size} trainer rank(s) of {bundle} "
             f"({cfg.train.placement}) within train.placement_timeout_s={cfg.train.placement_timeout_s:g}; "
             f"free now: {ray.available_resources()}. Lower train.world_size or its resources, or add nodes"
@@ -89,30 +89,29 @@ def start_trainer_group(cfg: JobConfig, model_path: str, policy_store: str) -> t
     Stop it with `stop_trainer_group`, which also frees the placement group."""
     settings = trainer_settings(cfg, model_path)
     workers = TrainerGroup()
-    options = [{} for _ in range(cfg.train.world_size)]
     env = {"DS_ACCELERATOR": "cuda" if cfg.train.num_gpus else "cpu"}
-    if cfg.train.placement == "NONE":
-        port = _free_port()
-    else:
-        workers.placement_group, order, rank0_node = _reserve(cfg)
-        master_addr, port = _rendezvous_on(rank0_node)
-        env["STREAMRL_MASTER_ADDR"] = master_addr
-        options = [
-            {"scheduling_strategy": PlacementGroupSchedulingStrategy(workers.placement_group, bundle_index)}
-            for bundle_index in order
-        ]
+    options = [{} for _ in range(cfg.train.world_size)]
     actor = ray.remote(TrainWorker)
     common = dict(
         num_cpus=cfg.train.num_cpus, num_gpus=cfg.train.num_gpus, resources=cfg.train.resources or None,
         max_concurrency=1, runtime_env={"env_vars": env},
     )
     try:
+        if cfg.train.placement == "NONE":
+            port = _free_port()
+        else:
+            workers.placement_group, order, rank0_node = _reserve(cfg)
+            env["STREAMRL_MASTER_ADDR"], port = _rendezvous_on(rank0_node)
+            options = [
+                {"scheduling_strategy": PlacementGroupSchedulingStrategy(workers.placement_group, bundle_index)}
+                for bundle_index in order
+            ]
         for rank in range(cfg.train.world_size):
             workers.append(
                 actor.options(**common, **options[rank]).remote(rank, cfg.train.world_size, port, settings, policy_store)
             )
         placement = ray.get([worker.ready.remote() for worker in workers])
-    except BaseException:
+    except BaseException:  # no half-started group, no reserved bundles left behind
         stop_trainer_group(workers)
         raise
     return workers, placement

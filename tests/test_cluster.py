@@ -179,7 +179,8 @@ def cluster(servers):
     nodes = servers.start_until_ready("ray-node2", node_argv, env, two_nodes, 120)
     head = next(node.node_id for node in nodes if node.is_head_node)
     second = next(node.node_id for node in nodes if not node.is_head_node)
-    return {"address": address, "head": head, "second": second}
+    node_ip = next(node.node_ip for node in nodes if node.is_head_node)
+    return {"address": address, "head": head, "second": second, "node_ip": node_ip}
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +207,18 @@ def jobs_on(address: str) -> list:
     return JobSubmissionClient(address).list_jobs()
 
 
-def test_bad_config_or_unplaceable_job_starts_nothing(cluster):
+def test_job_server_and_mlflow_listen_on_loopback_only(cluster, mlflow_server):
+    """Reachable on 127.0.0.1, refused on the machine's own network address."""
+    if cluster["node_ip"].startswith("127."):
+        pytest.skip("this machine has no address but loopback to try from")
+    for url in (cluster["address"], mlflow_server):
+        port = int(url.rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((cluster["node_ip"], port), timeout=5)
+
+
+def test_bad_config_or_unplaceable_job_starts_nothing(cluster, mlflow_server):
     bad = streamrl_submit(cluster["address"], "train.lr=-1", "rollout.num_actors=0")
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "train.lr" in bad.stderr and "rollout.num_actors" in bad.stderr
@@ -214,6 +226,9 @@ def test_bad_config_or_unplaceable_job_starts_nothing(cluster):
     unplaceable = streamrl_submit(cluster["address"], "rollout.num_gpus=1")
     assert unplaceable.returncode == 2, unplaceable.stdout + unplaceable.stderr
     assert "does not fit the cluster" in unplaceable.stderr and "generate needs 1 x {CPU: 0.5, GPU: 1}" in unplaceable.stderr
+    # A tracking server that is down is found before the job is sent.
+    down = streamrl_submit(cluster["address"], f"tracking.uri=http://127.0.0.1:{free_port()}")
+    assert down.returncode == 2 and "tracking.uri: nothing answers at" in down.stderr, down.stderr
     assert jobs_on(cluster["address"]) == []
 
 
@@ -254,9 +269,9 @@ def test_submitted_job_trains_across_nodes_and_tracks_to_server(cluster, mlflow_
     assert len(groups) == STEPS * 4 and groups["group_uid"].is_unique
     assert set(groups["train_step"]) == set(range(STEPS))
     checkpoint = run.data.tags["checkpoint.latest"]
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
-        a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run_id, checkpoint)
-    }
+    checkpoint_files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run_id, checkpoint)}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= checkpoint_files
+    assert not [name for name in checkpoint_files if name.endswith((".bin", ".pt", ".pth", ".pkl"))]  # no pickles
     local = Path(client.download_artifacts(run_id, f"{checkpoint}/config.json", str(tmp_path)))
     assert json.loads(local.read_text())["model_type"] == "llama"
 
@@ -287,3 +302,22 @@ def test_teardown_kills_a_server_and_everything_it_started(tmp_path):
     finally:
         outsider.kill()
         outsider.wait()
+
+
+def test_trainer_group_that_cannot_be_placed_fails_and_frees_its_reservation(ray_cluster):
+    """STRICT_SPREAD over 2 ranks on the one-node session cluster: no rank is started (ranks are
+    created only once the whole group is reserved), a timeout names the field, and no bundle
+    stays reserved."""
+    from pipelines.config import load_config
+    from pipelines.trainer_group import start_trainer_group
+
+    cfg = load_config(None, ["rollout.n=4", "train.world_size=2", "train.placement=STRICT_SPREAD",
+                             "train.placement_timeout_s=2"])
+    free_before = ray_cluster.available_resources()["CPU"]
+    with pytest.raises(TimeoutError, match="train.placement: the cluster found no room for 2 trainer rank"):
+        start_trainer_group(cfg, "never-loaded", "no-store")
+    assert [group["state"] for group in ray_cluster.util.placement_group_table().values()] in ([], ["REMOVED"])
+    wait_until_free = time.monotonic() + 10
+    while ray_cluster.available_resources()["CPU"] < free_before and time.monotonic() < wait_until_free:
+        time.sleep(0.2)
+    assert ray_cluster.available_resources()["CPU"] == free_before
