@@ -27,9 +27,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from pipelines.config import ConfigError, JobConfig, load_config
 from pipelines.lineage import CODE_VERSION_ENV, RUN_ANNOUNCEMENT
@@ -138,7 +138,7 @@ def _code_version(working_dir: Path) -> str | None:
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=working_dir,
-            capture_output=True, text=True, timeout=5,
+            capture_output=True, text=True, timeout=5, check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return None

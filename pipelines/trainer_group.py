@@ -14,7 +14,10 @@ import socket
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from operators.train_worker import TrainerSettings, TrainWorker
 from pipelines.config import JobConfig
@@ -92,10 +95,10 @@ def start_trainer_group(cfg: JobConfig, model_path: str, policy_store: str) -> t
     env = {"DS_ACCELERATOR": "cuda" if cfg.train.num_gpus else "cpu"}
     options = [{} for _ in range(cfg.train.world_size)]
     actor = ray.remote(TrainWorker)
-    common = dict(
-        num_cpus=cfg.train.num_cpus, num_gpus=cfg.train.num_gpus, resources=cfg.train.resources or None,
-        max_concurrency=1, runtime_env={"env_vars": env},
-    )
+    common = {
+        "num_cpus": cfg.train.num_cpus, "num_gpus": cfg.train.num_gpus, "resources": cfg.train.resources or None,
+        "max_concurrency": 1, "runtime_env": {"env_vars": env},
+    }
     try:
         if cfg.train.placement == "NONE":
             port = _free_port()

@@ -63,11 +63,11 @@ class Sessions:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.folder / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.folder,
-            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})},
-        )
+        with open(self.folder / f"{name}.log", "wb") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.folder,
+                env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})},
+            )
         self.procs[name] = proc
         return proc
 
@@ -115,7 +115,7 @@ def with_suppressed(fn, *args) -> None:
         pass
 
 
-def wait_until(check, timeout_s: float, what: str, sessions: "Sessions", name: str):
+def wait_until(check, timeout_s: float, what: str, sessions: Sessions, name: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -198,7 +198,7 @@ def mlflow_server(servers):
 def streamrl_submit(address: str, *overrides: str, timeout_s: float = 720) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "pipelines.cli", "submit", "configs/tiny_grpo.yaml", "--address", address]
     args += [part for item in overrides for part in ("--set", item)]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def jobs_on(address: str) -> list:
