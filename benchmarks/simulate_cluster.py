@@ -45,26 +45,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sim_trainer  # noqa: E402  (beside this script; shipped to Ray workers by value)
-from operators.engines.sim import CostModel, LengthModel, SimServer, SimServerPool  # noqa: E402
+import sim_trainer
+
+from operators.engines.sim import CostModel, SimServer, SimServerPool
 
 RESULTS = Path(__file__).parent / "results"
 
 # The modelled cluster: a 7B dense policy (Qwen2.5-7B-like: 7.6e9 parameters, bf16, GQA)
 # on H100-class GPUs, one GPU per vLLM instance (TP=1). These are ASSUMPTIONS from public
 # hardware figures, not measurements; SIMULATION.md gives the arithmetic.
-GPU_COST = dict(
-    decode_step_s=0.008,  # TPOT of an 8B model on one H100 at batch 1: ~7-8 ms (weights 15 GB / 3.35 TB/s = 4.5 ms + overhead)
-    decode_per_seq_s=1.0e-4,  # + ~0.1 ms per active sequence (KV reads at ~1-2k context, sampling): ~34 ms at 256
-    max_num_seqs=256,
-    weight_sync_s=3.0,  # pause of generation per new policy version (broadcast 15 GB + reload; colocated: reshard)
-    train_seconds_per_token=1.54e-4,  # 8 x 7.6e9 FLOP/token (fwd+bwd 6N, proximal log-prob forward 2N) / (989e12 x 0.40 MFU)
-    train_step_fixed_s=2.0,  # optimizer step and gradient all-reduce tail per step
-    prompt_tokens=256,
-    gpus_per_instance=1,
-    token_unit=64,
-    length=dict(median=1000, sigma=1.0, cap=16384),  # reasoning-RL-like: mean ~1650, p99 ~10k, 0.26% capped
-)
+GPU_COST = {
+    "decode_step_s": 0.008,  # TPOT of an 8B model on one H100 at batch 1: ~7-8 ms (weights 15 GB / 3.35 TB/s = 4.5 ms + overhead)
+    "decode_per_seq_s": 1.0e-4,  # + ~0.1 ms per active sequence (KV reads at ~1-2k context, sampling): ~34 ms at 256
+    "max_num_seqs": 256,
+    "weight_sync_s": 3.0,  # pause of generation per new policy version (broadcast 15 GB + reload; colocated: reshard)
+    "train_seconds_per_token": 1.54e-4,  # 8 x 7.6e9 FLOP/token (fwd+bwd 6N, proximal log-prob forward 2N) / (989e12 x 0.40 MFU)
+    "train_step_fixed_s": 2.0,  # optimizer step and gradient all-reduce tail per step
+    "prompt_tokens": 256,
+    "gpus_per_instance": 1,
+    "token_unit": 64,
+    "length": {"median": 1000, "sigma": 1.0, "cap": 16384},  # reasoning-RL-like: mean ~1650, p99 ~10k, 0.26% capped
+}
 # 8192 samples per step (e.g. 512 prompts x 16 responses). Rows are few and wide: the DAG's
 # overhead grows with rows and calls per step, not with samples; group size is not in the cost model.
 GROUPS_PER_STEP = 16  # rows per step
@@ -363,7 +364,6 @@ def calibrate(model_size: str, out: Path) -> dict:
     """Measure decode tick cost against batch size (HF forward with KV cache) and training
     cost per token (the real DeepSpeed TrainWorker) for a benchmark Llama on this CPU."""
     import torch
-
     from generate_throughput import build_model
 
     torch.set_num_threads(1)

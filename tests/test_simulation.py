@@ -26,7 +26,7 @@ from operators.engines.sim import CostModel, DecodeServer, LengthModel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import sim_trainer  # noqa: E402
+import sim_trainer
 
 STEPS, GROUPS, N = 5, 4, 8
 

@@ -42,9 +42,9 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class CostModel:
     train_gpus: int = 1
 
     @classmethod
-    def from_dict(cls, values: Mapping) -> "CostModel":
+    def from_dict(cls, values: Mapping) -> CostModel:
         values = dict(values)
         values["length"] = LengthModel(**values.get("length", {}))
         unknown = set(values) - set(cls.__dataclass_fields__)
@@ -94,7 +94,7 @@ class CostModel:
         return cls(**values)
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict:
