@@ -46,6 +46,12 @@ MODES = {
     # shares one core with the other stage while that one is busy.
     "stream2_g2": dict(staleness=2, gen_threads=2, train_threads=1, text="DAG, staleness 2, generator 2 threads, trainer 1"),
     "stream2_t2": dict(staleness=2, gen_threads=1, train_threads=2, text="DAG, staleness 2, generator 1 thread, trainer 2"),
+    # Two generate actors (data-parallel generation, 1 thread each): HF decoding of small
+    # batches is bound by Python per-token overhead, so processes scale where threads do not.
+    "sync_dp": dict(staleness=0, gen_threads=1, train_threads=2, actors=2,
+                    text="DAG, staleness 0, colocated: 2 generate actors, then trainer 2 threads"),
+    "stream2_dp": dict(staleness=2, gen_threads=1, train_threads=1, actors=2,
+                       text="DAG, staleness 2, 2 generate actors + trainer (1 thread each, 3 on 2 cores)"),
 }
 DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
@@ -59,7 +65,8 @@ def mode_config(mode: str, model_path: str, args) -> "JobConfig":
         f"train.max_staleness={spec['staleness']}",
         f"rollout.torch_threads={spec['gen_threads']}", f"train.torch_threads={spec['train_threads']}",
         # Ray's CPU accounting: both stages fit on the 2 CPUs with room for reward/advantage/train ops.
-        "rollout.num_cpus=0.8", "train.num_cpus=0.8",
+        f"rollout.num_actors={spec.get('actors', 1)}", f"rollout.num_cpus={0.8 / spec.get('actors', 1)}",
+        "train.num_cpus=0.8",
         f"tracking.run_name=throughput-{mode}", *args.set,
     ]
     return load_config(CONFIG, overrides)
@@ -179,7 +186,9 @@ def summarise(results: dict[str, dict]) -> dict:
     ratio("stream2", "sync")
     ratio("stream1", "stream0")
     ratio("stream2", "plain")
-    for variant in ("stream2_g2", "stream2_t2"):
+    ratio("stream2_dp", "sync_dp")
+    ratio("stream2_dp", "stream0")
+    for variant in ("stream2_g2", "stream2_t2", "stream2_dp"):
         ratio(variant, "sync")
         ratio(variant, "stream0")
     if "sync" in results and "plain" in results:
