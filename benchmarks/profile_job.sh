@@ -20,7 +20,7 @@ declare -A PIDS=(
   [train_op]=$(pgrep -f "ray::MapWorker\(MapBatches\(Train\)\)" | head -1)
 )
 for name in "${!PIDS[@]}"; do
-  $PY -m py_spy record --pid "${PIDS[$name]}" --duration "$SECONDS_" --rate 100 --format raw \
+  "$(dirname "$PY")/py-spy" record --pid "${PIDS[$name]}" --duration "$SECONDS_" --rate 100 --format raw \
     --output "benchmarks/results/profile_${MODE}_${name}.txt" --nonblocking >/dev/null 2>&1 &
 done
 wait $(jobs -p | grep -v "^$JOB$") 2>/dev/null || true
