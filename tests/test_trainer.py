@@ -1,8 +1,8 @@
 """The DeepSpeed worker group: data parallelism over Ray actors computes the same step.
 
 One optimizer step on the same samples with 1 rank (ZeRO 0) and with 2 ranks (ZeRO 3,
-parameters sharded and gathered for publishing) must see the same global gradient norm
-and loss: the token-level loss is normalised by the global token count, not per rank."""
+parameters sharded and gathered for publishing, samples in micro-batches) must see the
+same global gradient norm and loss: the token-level loss is normalised by the global token count, not per rank."""
 
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path):
     samples = _explode(step_samples(tiny_model_path))
     base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4"]
     single = load_config(None, base + ["train.world_size=1", "train.zero_stage=0"])
-    sharded = load_config(None, base + ["train.world_size=2", "train.zero_stage=3"])
+    # The sharded side also splits each rank's samples into micro-batches (several forwards,
+    # one backward under ZeRO-3): the step must still equal the single-rank one.
+    sharded = load_config(None, base + ["train.world_size=2", "train.zero_stage=3", "train.micro_batch_tokens=12"])
     results_1, weights_1 = one_step(single, tiny_model_path, samples, "trainer-test-1")
     results_2, weights_2 = one_step(sharded, tiny_model_path, samples, "trainer-test-2")
-    assert len(results_2) == 2
+    assert len(results_2) == 2 and all(r["micro_batches"] > 1 for r in results_2)
     np.testing.assert_allclose(results_2[0]["grad_norm"], results_1[0]["grad_norm"], rtol=1e-4)
     loss_2 = np.mean([r["policy_loss"] for r in results_2])
     np.testing.assert_allclose(loss_2, results_1[0]["policy_loss"], rtol=1e-4, atol=1e-6)
