@@ -56,7 +56,7 @@ MODES = {
 DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
 
-def mode_config(mode: str, model_path: str, args) -> "JobConfig":
+def mode_config(mode: str, model_path: str, args):
     from pipelines.config import load_config
 
     spec = MODES[mode]
@@ -96,7 +96,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     reward = Reward([(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error)
     advantage = Advantage(cfg.algorithm.advantage)
     worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, model_path), None)
-    timelines, version = [], 0
+    timelines = []
     for step in range(cfg.train.steps):
         rows, intervals = [], []
         for frame in (c for c in calls if int(c["train_step"].iloc[0]) == step):
@@ -107,9 +107,8 @@ def run_plain(cfg, model_path: str) -> list[dict]:
         samples = _explode(rows)
         tokens = int(sum(len(t) for t in samples["response_token_ids"]))
         result = worker.train_step(samples, tokens, len(samples["advantages"]))
-        version += 1
         generate.engine.load_weights(worker.state_dict())  # on-policy: the next step samples the new weights
-        generate.policy_version = version
+        generate.policy_version = step + 1
         end = time.time()
         rewards = [r for row in rows for r in row["rewards"]]
         timelines.append({
