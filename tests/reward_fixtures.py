@@ -11,3 +11,29 @@ def flaky_length(completions, **kwargs):
 def none_for_empty(completions, answer):
     """Names only the column it needs; returns None for empty completions."""
     return [None if not text else float(text == target) for text, target in zip(completions, answer)]
+
+
+def hang_on_seven(completions, **kwargs):
+    """Never answers if any completion contains '7' (a stuck reward function); else the length."""
+    if any("7" in text for text in completions):
+        import time
+
+        while True:
+            time.sleep(3600)
+    return [float(len(text)) for text in completions]
+
+
+def process_id(completions, **kwargs):
+    """The pid of the process that runs it, per completion: shows where a reward function ran."""
+    import os
+
+    return [float(os.getpid())] * len(completions)
+
+
+def exit_on_seven(completions, **kwargs):
+    """Kills the process that runs it if any completion contains '7' (a crashing extension); else 1.0."""
+    if any("7" in text for text in completions):
+        import os
+
+        os._exit(3)
+    return [1.0] * len(completions)
