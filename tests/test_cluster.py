@@ -14,125 +14,21 @@ Ray cluster on the machine (no `ray stop`).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from mlflow_server import BIN, Sessions, free_port, http_ok, session_members, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent  # the venv's bin: `ray`, `mlflow`, and the jobs' `python`
 STEPS = 6
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def session_members(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session `sid`: the leader and everything it started."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
-
-
-class Sessions:
-    """Processes started each in a new session, all killed on `stop()`."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        with open(self.folder / f"{name}.log", "wb") as log:  # the child keeps its own copy
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.folder,
-                env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})},
-            )
-        self.procs[name] = proc
-        return proc
-
-    def start_until_ready(self, name: str, argv: list[str], env: dict, ready, timeout_s: float, attempts: int = 3):
-        """Start, wait for `ready()`; retry a process that died while starting. Ray gives a node
-        a fixed 30 s to register, which a busy 2-core machine can miss."""
-        for attempt in range(1, attempts + 1):
-            self.start(f"{name}-{attempt}", argv, env)
-            try:
-                return wait_until(ready, timeout_s, name, self, f"{name}-{attempt}")
-            except RuntimeError:  # exited early
-                if attempt == attempts:
-                    raise
-                self.kill_session(f"{name}-{attempt}")
-
-    def kill_session(self, name: str) -> None:
-        for pid in session_members(self.procs[name].pid):
-            with_suppressed(os.kill, pid, signal.SIGKILL)
-
-    def log(self, name: str) -> str:
-        return (self.folder / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def members(self) -> list[int]:
-        return [pid for proc in self.procs.values() for pid in session_members(proc.pid)]
-
-    def stop(self) -> None:
-        for sig, grace_s in ((signal.SIGTERM, 8.0), (signal.SIGKILL, 8.0)):
-            for pid in self.members():
-                with_suppressed(os.kill, pid, sig)
-            deadline = time.monotonic() + grace_s
-            while self.members() and time.monotonic() < deadline:
-                for proc in self.procs.values():
-                    proc.poll()  # reap our direct children
-                time.sleep(0.2)
-            if not self.members():
-                break
-        left = self.members()
-        assert not left, f"processes still running after SIGKILL: {left}"
-
-
-def with_suppressed(fn, *args) -> None:
-    try:
-        fn(*args)
-    except ProcessLookupError:
-        pass
-
-
-def wait_until(check, timeout_s: float, what: str, sessions: Sessions, name: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception:  # not up yet
-            pass
-        if sessions.procs[name].poll() is not None:
-            raise RuntimeError(f"{name} exited ({sessions.procs[name].returncode}):\n{sessions.log(name)}")
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not ready after {timeout_s:g} s:\n{sessions.log(name)}")
-
-
-def http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return response.status == 200
 
 
 @pytest.fixture(scope="module")
