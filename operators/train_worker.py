@@ -8,13 +8,21 @@ the new weights to the policy store.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import inspect
+import json
 import os
+import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the weights became NaN/inf and the job must stop (nothing was published)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class TrainerSettings:
     max_new_tokens: int = 16
     trust_remote_code: bool = False
     micro_batch_tokens: int = 0
+    nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job
 
 
 class TrainWorker:
@@ -189,13 +198,24 @@ class TrainWorker:
         for key in merged:
             if not key.endswith("_max"):
                 merged[key] /= max(tokens, 1)
-        self.engine.backward(loss)
-        own_norm = self._plain_grad_norm() if settings.zero_stage == 0 else None
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
-        self.version += 1
+        skipped = not self._finite_everywhere(loss)
+        if skipped:
+            if settings.nan_policy == "stop":
+                raise NonFiniteError(
+                    f"the loss of policy version {self.version + 1} is {loss.item()} on rank {self.rank} "
+                    "(train.nan_policy: stop); no update was applied or published. Set train.nan_policy: skip "
+                    "to skip such steps, or lower train.lr"
+                )
+            grad_norm = float("nan")  # no backward, no optimizer step: the weights stay as they were
+        else:
+            self.engine.backward(loss)
+            own_norm = self._plain_grad_norm() if settings.zero_stage == 0 else None
+            self.engine.step()
+            grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
+        self.version += 1  # a skipped step still consumes its data and advances the version counter
         publish_seconds = self._publish() if self.store is not None else 0.0
         return {
+            "nonfinite_skipped": int(skipped),
             "policy_loss": loss.item(),  # rank losses average to the global loss (see _aggregate)
             "entropy": entropy_sum / max(tokens, 1),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -205,6 +225,13 @@ class TrainWorker:
             "publish_seconds": publish_seconds,
             **merged,
         }
+
+    def _finite_everywhere(self, loss) -> bool:
+        """True when the loss is finite on every rank (all ranks must agree to skip a step together)."""
+        finite = self.torch.tensor([float(bool(self.torch.isfinite(loss.detach()).all()))])
+        if self.world_size > 1:
+            self.torch.distributed.all_reduce(finite, op=self.torch.distributed.ReduceOp.MIN)
+        return bool(finite.item())
 
     def _plain_grad_norm(self) -> float:
         """Global gradient norm before clipping. Without ZeRO, DeepSpeed does not report it;
@@ -227,9 +254,65 @@ class TrainWorker:
         import ray
 
         start = time.perf_counter()
-        weights_ref = ray.put(self._full_state_dict())
+        weights = self._full_state_dict()
+        bad = [name for name, array in weights.items() if not np.isfinite(array).all()]
+        if bad:  # never hand NaN weights to the generators (or to a checkpoint)
+            raise NonFiniteError(
+                f"policy version {self.version} has non-finite weights ({', '.join(bad[:3])}"
+                f"{' ...' if len(bad) > 3 else ''}); it was not published. Resume from the last checkpoint "
+                "with a lower train.lr or train.grad_clip"
+            )
+        weights_ref = ray.put(weights)
         ray.get(self.store.publish.remote(self.version, [weights_ref]))
         return time.perf_counter() - start
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Every rank: DeepSpeed engine state (model, optimizer, scheduler; its shard under ZeRO)
+        into folder/engine, and this rank's RNG states into folder/rng/rank_N.json."""
+        folder = Path(folder)
+        self.engine.save_checkpoint(
+            str(folder), tag="engine", client_state={"policy_version": self.version}, save_latest=False
+        )
+        (folder / "rng").mkdir(parents=True, exist_ok=True)
+        (folder / "rng" / f"rank_{self.rank}.json").write_text(json.dumps(self._rng_state()))
+
+    def load_checkpoint(self, folder: str, version: int) -> int:
+        """Every rank: restore the engine and RNG states; rank 0 then publishes `version` so generators
+        start from the checkpoint's weights. Returns the restored policy version."""
+        folder = Path(folder)
+        path, client_state = self.engine.load_checkpoint(
+            str(folder), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed engine state in {folder / 'engine'}")
+        restored = int(client_state.get("policy_version", version))
+        if restored != version:
+            raise ValueError(f"{folder}: engine state is policy version {restored}, the checkpoint says {version}")
+        rng_file = folder / "rng" / f"rank_{self.rank}.json"
+        if rng_file.is_file():
+            self._set_rng_state(json.loads(rng_file.read_text()))
+        self.version = version
+        if self.store is not None and version > 0:
+            self._publish()
+        return version
+
+    def _rng_state(self) -> dict:
+        np_state = np.random.get_state()
+        return {
+            "torch": base64.b64encode(self.torch.get_rng_state().numpy().tobytes()).decode(),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        }
+
+    def _set_rng_state(self, state: dict) -> None:
+        torch_state = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+        self.torch.set_rng_state(self.torch.from_numpy(torch_state))
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
 
     def save_pretrained(self, path: str) -> str | None:
         """Write an HF checkpoint (rank 0 writes; every rank must call it under ZeRO-3)."""

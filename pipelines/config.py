@@ -99,6 +99,12 @@ class DataConfig(_Section):
     num_prompts: int = Field(256, gt=0, description="Number of prompts the builtin dataset makes.")
     seed: int = Field(0, description="Seed of the builtin dataset and of shuffling.")
     shuffle: bool = Field(True, description="Shuffle the prompt order (with `seed`) before each epoch.")
+    invalid_prompts: Literal["error", "drop"] = Field(
+        "error", description="What to do with invalid prompt rows, found before anything starts: a missing, "
+        "non-text or empty prompt, an empty or duplicate id (with id_column), or a prompt whose tokens plus "
+        "rollout.max_new_tokens exceed the model's context. 'error' stops with the rows listed; 'drop' removes "
+        "them and reports what was dropped."
+    )
 
     @model_validator(mode="after")
     def _dataset_readable(self) -> "DataConfig":
@@ -112,10 +118,12 @@ class DataConfig(_Section):
             _raise_at([f"data.path: {self.path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"])
         if not file.is_file():
             _raise_at([f"data.path: dataset file {self.path!r} does not exist; give an existing file"])
-        from pipelines.datasets import read_columns
+        from pipelines.datasets import DatasetError, read_columns
 
         try:
             columns = read_columns(file)
+        except DatasetError as err:  # names the file, what is wrong and the fix
+            _raise_at([f"data.path: {err}"])
         except Exception as err:  # a corrupt file must be named, not crash later in an actor
             _raise_at([f"data.path: cannot read {self.path!r} ({type(err).__name__}: {err}); check the file"])
         _raise_at([
@@ -215,6 +223,11 @@ class RewardConfig(_Section):
     )
     num_actors: int = Field(1, ge=1, description="Reward actors in the pool.")
     num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per reward actor.")
+    timeout_s: float = Field(
+        60, ge=0, description="Seconds one reward function call (one batch) may take. With a limit, functions run "
+        "in a child process of the reward actor, killed and replaced when a call runs over; that batch's samples "
+        "get on_error and count in reward_timeouts. 0: no limit, functions run in the actor itself."
+    )
 
 
 class AlgorithmConfig(_Section):
@@ -294,6 +307,27 @@ class TrainConfig(_Section):
         "so the step is unchanged.",
     )
     seed: int = Field(0, description="Seed of the trainer and the samplers.")
+    checkpoint_every: int = Field(
+        10, ge=0, description="Write a resumable checkpoint (DeepSpeed model + optimizer state, RNG states, the "
+        "ledger of trained groups) every this many steps; 0: only after the last step, which always gets one."
+    )
+    checkpoint_keep: int = Field(
+        2, ge=0, description="Keep the newest this many checkpoints of a run on disk (0: all); older ones are "
+        "deleted once a newer one is complete."
+    )
+    max_restarts: int = Field(
+        1, ge=0, description="When an actor the job cannot do without dies (a trainer rank, the Train "
+        "operator), restart the trainer group and the DAG from the last checkpoint up to this many times, "
+        "then fail with the command that resumes the run. Generate and reward actors are restarted by "
+        "Ray Data without a rollback."
+    )
+    nan_policy: Literal["skip", "stop"] = Field(
+        "skip", description="A step whose loss is NaN or inf: 'skip' leaves the weights unchanged (counted in "
+        "the nonfinite_skipped metric), 'stop' fails the job. Non-finite weights are never published."
+    )
+    max_nan_skips: int = Field(
+        10, ge=0, description="With nan_policy: skip, fail the job after this many skipped steps in a run."
+    )
 
 
 class TrackingConfig(_Section):
@@ -304,6 +338,16 @@ class TrackingConfig(_Section):
     experiment: str = Field("streamrl", description="MLflow experiment name.")
     log_rollouts: bool = Field(True, description="Log each step's rollouts as a Parquet artifact.")
     run_name: Optional[str] = Field(None, description="MLflow run name; default is MLflow's.")
+    flush_timeout_s: float = Field(
+        300, ge=0, description="At the end of a job, how long to wait for records buffered while the tracking "
+        "server was unreachable; what is still undelivered then stays in <output_dir>/mlflow_spool and "
+        "`streamrl run CONFIG --resume RUN_ID` delivers it."
+    )
+    request_timeout_s: int = Field(
+        10, ge=1, description="Timeout in seconds of one HTTP request to the tracking server "
+        "(MLFLOW_HTTP_REQUEST_TIMEOUT, unless that is set): short, so an outage is noticed quickly and "
+        "buffered; raise it if large artifacts go through a proxying server to slow storage."
+    )
 
 
 class NodeGroup(_Section):

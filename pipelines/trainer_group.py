@@ -53,6 +53,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         clip_eps_high=cfg.algorithm.clip_eps_high,
         max_new_tokens=cfg.rollout.max_new_tokens,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
+        nan_policy=cfg.train.nan_policy,
         trust_remote_code=cfg.model.trust_remote_code,
     )
 

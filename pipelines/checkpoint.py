@@ -1,0 +1,221 @@
+"""Resumable checkpoints, written atomically, and the sample ledger they carry.
+
+One folder per run, one per checkpoint:
+
+    <output_dir>/checkpoints/<run_id>/
+        run.json                 the job's config and dataset digest (written at start)
+        step_000004/             a checkpoint after 4 optimizer steps (policy version 4)
+            engine/              DeepSpeed engine state of every rank: model, optimizer, scheduler
+            rng/rank_N.json      torch / numpy / python RNG states of rank N
+            ledger.parquet       the data cursor: every group trained so far (step, group, prompt id, version)
+            state.json           step, policy version, run id, dataset digest, config digest
+            MANIFEST.json        size and sha256 of every file above; written last
+            (config.json, model.safetensors, tokenizer files: a Hugging Face export, final checkpoint)
+
+A checkpoint is written into a hidden `.tmp-*` folder and renamed into place only when
+complete, so a crash mid-write leaves the previous checkpoint as the latest valid one;
+`latest_valid` also skips any folder whose manifest is missing or does not match its
+files. Checkpoints need a filesystem that every trainer rank and the Train operator see
+(local disk on one machine, shared storage on a cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+MANIFEST = "MANIFEST.json"
+STATE = "state.json"
+LEDGER = "ledger.parquet"
+RUN_FILE = "run.json"
+ENGINE_DIR = "engine"
+RNG_DIR = "rng"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "staleness", "trained"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, or made by a different job)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, indent=1, sort_keys=True, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    state: dict
+
+    @property
+    def engine_dir(self) -> Path:
+        return self.path / ENGINE_DIR
+
+    def ledger(self) -> pd.DataFrame:
+        return pd.read_parquet(self.path / LEDGER)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def verify(folder: Path, hashes: bool = True) -> dict:
+    """The checkpoint's state if its manifest matches its files; raises CheckpointError otherwise."""
+    manifest_file = folder / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{folder} has no {MANIFEST}: it was not completely written")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{manifest_file} is unreadable ({err})") from None
+    for name, entry in manifest["files"].items():
+        file = folder / name
+        if not file.is_file() or file.stat().st_size != entry["size"]:
+            raise CheckpointError(f"{file} is missing or has the wrong size: the checkpoint is damaged")
+        if hashes and _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST}: the checkpoint is damaged")
+    return json.loads((folder / STATE).read_text())
+
+
+class CheckpointDir:
+    """The checkpoints of one run."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @classmethod
+    def of_run(cls, output_dir: Path, run_id: str) -> "CheckpointDir":
+        return cls(Path(output_dir) / "checkpoints" / run_id)
+
+    # --- the run's identity -----------------------------------------------------------
+
+    def write_run_file(self, info: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.root / RUN_FILE, info)
+
+    def run_file(self) -> dict | None:
+        file = self.root / RUN_FILE
+        return json.loads(file.read_text()) if file.is_file() else None
+
+    # --- writing ------------------------------------------------------------------------
+
+    def begin(self, step: int) -> Path:
+        """A fresh hidden folder to write the checkpoint of `step` into."""
+        tmp = self.root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit(self, tmp: Path, step: int, state: dict, ledger: pd.DataFrame) -> Path:
+        """Add state and ledger, fsync every file, write the manifest last, rename into place."""
+        ledger[LEDGER_COLUMNS].to_parquet(tmp / LEDGER, index=False)
+        (tmp / STATE).write_text(json.dumps({**state, "step": step, "written_at": time.time()}, indent=1, default=str))
+        entries = {}
+        for file in _files(tmp):
+            with open(file, "rb+") as handle:
+                os.fsync(handle.fileno())
+            entries[str(file.relative_to(tmp))] = {"size": file.stat().st_size, "sha256": _sha256(file)}
+        write_json_atomic(tmp / MANIFEST, {"step": step, "files": entries})
+        for folder in {p.parent for p in tmp.rglob("*")} | {tmp}:
+            _fsync_dir(folder)
+        final = self.root / step_dir_name(step)
+        if final.exists():  # left by an attempt that was rolled back past this step
+            stale = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        return final
+
+    def discard(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    # --- reading ------------------------------------------------------------------------
+
+    def steps(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+        return sorted(found)
+
+    def latest_valid(self, echo=print, hashes: bool = True) -> Checkpoint | None:
+        """The newest checkpoint whose files match its manifest; damaged ones are reported and skipped."""
+        for step, path in reversed(self.steps()):
+            try:
+                return Checkpoint(path, step, verify(path, hashes=hashes))
+            except CheckpointError as err:
+                echo(f"streamrl: skipping checkpoint {path}: {err}")
+        return None
+
+    def at_step(self, step: int) -> Checkpoint:
+        path = self.root / step_dir_name(step)
+        return Checkpoint(path, step, verify(path))
+
+    # --- housekeeping -----------------------------------------------------------------
+
+    def clean_partial(self) -> list[Path]:
+        """Remove folders of checkpoints that were being written when a job died."""
+        if not self.root.is_dir():
+            return []
+        partial = [p for p in self.root.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        return partial
+
+    def prune(self, keep: int, protect: Path | None = None) -> list[Path]:
+        """Keep the newest `keep` checkpoints (0 keeps all) and `protect`."""
+        if keep <= 0:
+            return []
+        old = [path for _, path in self.steps()[:-keep] if path != protect]
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        return old
+
+
+def find_run_dirs(output_dir: Path) -> list[Path]:
+    """Run folders under `output_dir/checkpoints`, oldest first (by when the run started)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    runs = [p for p in root.iterdir() if (p / RUN_FILE).is_file()]
+    return sorted(runs, key=lambda p: json.loads((p / RUN_FILE).read_text()).get("started_at", 0))
+
+
+def dataset_digest(prompts: pd.DataFrame) -> str:
+    """Content digest of the prompts a job schedules (ids and text, in order)."""
+    hashed = pd.util.hash_pandas_object(prompts[["prompt_id", "prompt"]].astype(str), index=False)
+    return hashlib.sha256(hashed.values.tobytes()).hexdigest()[:16]
