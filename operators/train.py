@@ -7,6 +7,13 @@ samples, shards them evenly over the ranks, runs one optimizer step, and yields 
 of step metrics with that step's rollouts (Parquet bytes, lineage columns included).
 Rank 0 publishes version s+1 to the policy store; that is what lets generation of later
 steps through the admission gate.
+
+Exactly once: a group is keyed by its `group_uid`; one that arrives again (a generate task
+retried after its actor died, or a group already in the resumed checkpoint's ledger) is
+dropped and counted (`duplicate_groups`). Every `checkpoint_every` steps and after the last
+one, the operator writes a resumable checkpoint (pipelines/checkpoint.py) between two
+optimizer steps: the ranks' DeepSpeed state, RNG states and the ledger of every group
+trained so far, which is the data cursor a resumed job continues from.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import io
 import json
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -22,7 +30,7 @@ import pandas as pd
 
 ROLLOUT_COLUMNS = [
     "prompt_id", "group_uid", "epoch", "policy_version", "train_step", "staleness", "prompt",
-    "responses", "response_lengths", "rewards", "advantages", "reward_errors",
+    "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
 
@@ -35,12 +43,38 @@ class Train:
         total_steps: int,
         first_step: int = 0,
         success_threshold: float = 1.0,
+        checkpoint_root: str | None = None,
+        checkpoint_every: int = 0,
+        checkpoint_keep: int = 0,
+        prior_ledger: str | None = None,
+        export_model_path: str | None = None,
+        run_info: dict | None = None,
+        max_nan_skips: int | None = None,
     ):
+        """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
+        checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
+        `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (tokenizer from
+        `export_model_path`). `prior_ledger`: the ledger of the checkpoint the job resumed from."""
         self.workers = list(workers)
         self.groups_per_step = groups_per_step
         self.end_step = first_step + total_steps
         self.next_step = first_step
         self.success_threshold = success_threshold
+        self.checkpoints = None
+        if checkpoint_root is not None:
+            from pipelines.checkpoint import CheckpointDir
+
+            self.checkpoints = CheckpointDir(Path(checkpoint_root))
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
+        self.export_model_path = export_model_path
+        self.run_info = dict(run_info or {})
+        self.ledger: list[pd.DataFrame] = [pd.read_parquet(prior_ledger)] if prior_ledger else []
+        self.seen: set[str] = set(self.ledger[0]["group_uid"]) if self.ledger else set()
+        self.duplicates = 0
+        # Steps skipped for a non-finite loss (train.nan_policy: skip), the resumed ledger's included.
+        self.max_nan_skips = max_nan_skips
+        self.nan_skips = int(self.ledger[0].loc[~self.ledger[0]["trained"], "train_step"].nunique()) if self.ledger else 0
         self.buffer: dict[int, list[dict]] = defaultdict(list)
         self.last_step_end = time.perf_counter()
         self.idle_seconds = 0.0
@@ -49,8 +83,14 @@ class Train:
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
         for row in batch.to_dict("records"):
             step = int(row["train_step"])
+            uid = row.get("group_uid")
+            if uid is not None and uid in self.seen:  # a retried task's output, or already in the ledger
+                self.duplicates += 1
+                continue
             if not self.next_step <= step < self.end_step:
-                raise ValueError(f"row {row.get('group_uid')} is for step {step}, outside [{self.next_step}, {self.end_step})")
+                raise ValueError(f"row {uid} is for step {step}, outside [{self.next_step}, {self.end_step})")
+            if uid is not None:
+                self.seen.add(uid)
             self.buffer[step].append(row)
         while len(self.buffer.get(self.next_step, ())) >= self.groups_per_step:
             rows = self.buffer.pop(self.next_step)
@@ -84,11 +124,53 @@ class Train:
             "trainer_idle_fraction": waited / max(waited + end - start, 1e-9),
             "trainer_idle_fraction_cum": self.idle_seconds / max(self.idle_seconds + self.busy_seconds, 1e-9),
             "policy_version": step + 1,
+            "duplicate_groups": self.duplicates,
         }
+        self.ledger.append(_ledger_rows(table, trained=not metrics.get("nonfinite_skipped")))
+        if metrics.get("nonfinite_skipped"):
+            self.nan_skips += 1
+            if self.max_nan_skips is not None and self.nan_skips > self.max_nan_skips:
+                from operators.train_worker import NonFiniteError
+
+                raise NonFiniteError(
+                    f"{self.nan_skips} steps had a non-finite loss (train.max_nan_skips: {self.max_nan_skips}); "
+                    "stopping. Lower train.lr, check the rewards, or raise train.max_nan_skips"
+                )
+        checkpoint = self._maybe_checkpoint(step + 1)
         # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
         # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
         timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows)})
-        return pd.DataFrame([{**metrics, "timeline": timeline, "rollouts_parquet": _to_parquet(table)}])
+        return pd.DataFrame([{
+            **metrics, "timeline": timeline, "rollouts_parquet": _to_parquet(table),
+            "checkpoint_path": str(checkpoint) if checkpoint else None,
+        }])
+
+    def _maybe_checkpoint(self, steps_done: int) -> Path | None:
+        """After `steps_done` optimizer steps: write a checkpoint if one is due (policy version = steps_done)."""
+        last = steps_done == self.end_step
+        due = last or (self.checkpoint_every and steps_done % self.checkpoint_every == 0)
+        if self.checkpoints is None or not due:
+            return None
+        import ray
+
+        tmp = self.checkpoints.begin(steps_done)
+        try:
+            ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in self.workers])
+            if last:  # the final policy, loadable with from_pretrained / vLLM
+                ray.get([worker.save_pretrained.remote(str(tmp)) for worker in self.workers])
+                if self.export_model_path:
+                    from transformers import AutoTokenizer
+
+                    AutoTokenizer.from_pretrained(self.export_model_path, local_files_only=True).save_pretrained(str(tmp))
+            ledger = pd.concat(self.ledger, ignore_index=True)
+            state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger),
+                     "world_size": len(self.workers)}
+            final = self.checkpoints.commit(tmp, steps_done, state, ledger)
+        except BaseException:
+            self.checkpoints.discard(tmp)
+            raise
+        self.checkpoints.prune(self.checkpoint_keep, protect=final)
+        return final
 
 
 def _explode(rows: list[dict]) -> dict[str, list]:
@@ -129,6 +211,15 @@ def _rollouts(rows: list[dict], step: int) -> pd.DataFrame:
     return table[ROLLOUT_COLUMNS]
 
 
+def _ledger_rows(table: pd.DataFrame, trained: bool) -> pd.DataFrame:
+    """The ledger's record of one step: which groups (prompt ids, policy versions) it consumed."""
+    from pipelines.checkpoint import LEDGER_COLUMNS
+
+    rows = table.assign(trained=trained)
+    rows["epoch"] = rows["epoch"].astype("Int64")
+    return rows[LEDGER_COLUMNS].reset_index(drop=True)
+
+
 def _reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:
     rewards = np.concatenate([np.asarray(r, dtype=float) for r in table["rewards"]])
     lengths = np.concatenate([np.asarray(l, dtype=float) for l in table["response_lengths"]])
@@ -139,6 +230,7 @@ def _reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:
         "response_length_mean": float(lengths.mean()),
         "generated_tokens": int(lengths.sum()),
         "reward_errors": int(table["reward_errors"].sum()),
+        "reward_timeouts": int(table["reward_timeouts"].sum()),
         "staleness_mean": float(table["staleness"].mean()),
         "staleness_max": int(table["staleness"].max()),
         "num_groups": len(table),
@@ -156,6 +248,7 @@ def _rank_metrics(results: list[dict]) -> dict:
     merged["grad_norm"] = float(results[0]["grad_norm"])
     merged["time_train"] = float(max(r["train_seconds"] for r in results))
     merged["time_publish"] = float(results[0]["publish_seconds"])
+    merged["nonfinite_skipped"] = int(max(r.get("nonfinite_skipped", 0) for r in results))
     return merged
 
 

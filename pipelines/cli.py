@@ -1,11 +1,12 @@
 """`streamrl` command line: run, validate and submit jobs.
 
-    streamrl run CONFIG [--set a.b=value ...]
+    streamrl run CONFIG [--set a.b=value ...] [--resume RUN_ID|latest]
     streamrl validate CONFIG [--set ...]
     streamrl submit CONFIG --address http://HEAD:8265 [--set ...]   (to a Ray cluster)
+    streamrl lineage RUN_ID [--step N] [--output-dir DIR] | --checkpoint PATH   [--json]
 
-Exit codes: 0 done, 1 the job failed, 2 the config is invalid or the cluster cannot take
-the job (nothing was started).
+Exit codes: 0 done, 1 the job failed (the command that resumes it is printed), 2 the config
+or input is invalid or the cluster cannot take the job (nothing was started), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ def _parser() -> argparse.ArgumentParser:
             "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
             help="override a field, e.g. --set train.max_staleness=0 (repeatable)",
         )
+    commands.choices["run"].add_argument(
+        "--resume", metavar="RUN_ID|latest",
+        help="continue a run from its newest checkpoint, in the same MLflow run ('latest': the newest run "
+        "under the config's output_dir)",
+    )
+    lineage = commands.add_parser("lineage", help="what produced a checkpoint: steps, groups, policy versions, prompts")
+    lineage.add_argument("run_id", nargs="?", help="the run (its newest checkpoint)")
+    lineage.add_argument("--step", type=int, help="list every group trained at this step")
+    lineage.add_argument("--checkpoint", help="a checkpoint folder (.../checkpoints/RUN_ID/step_NNNNNN)")
+    lineage.add_argument("--output-dir", help="the job's output_dir (default: searched under ./runs)")
+    lineage.add_argument("--json", action="store_true", help="print JSON")
     submit = commands.choices["submit"]
     submit.add_argument("--address", required=True, help="the Ray job server (head's dashboard), e.g. http://127.0.0.1:8265")
     submit.add_argument("--working-dir", default=".", help="folder uploaded as the job's code (default: here)")
@@ -57,10 +69,48 @@ def _submit(args) -> int:
     return 0 if not args.wait or job.status == "SUCCEEDED" else 1
 
 
+def _lineage(args) -> int:
+    from pipelines.provenance import LineageError, lineage_command
+
+    try:
+        print(lineage_command(args.run_id, args.step, args.checkpoint, args.output_dir, args.json))
+    except LineageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return 0
+
+
+def _run(args, cfg) -> int:
+    from pipelines.grpo import JobFailed, run_job
+    from pipelines.resume import resume_command
+
+    try:
+        result = run_job(cfg, resume=args.resume)
+    except ConfigError as err:  # bad input found before anything started (data, --resume)
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except JobFailed as err:
+        print(f"streamrl: job {'interrupted' if err.interrupted else 'failed'}: {err}", file=sys.stderr)
+        print(f"streamrl: resume with: {resume_command(args.config, args.overrides, err.run_id)}", file=sys.stderr)
+        return 130 if err.interrupted else 1
+    if result.metrics.empty:
+        print("streamrl: nothing left to train: the run had already reached train.steps")
+        return 0
+    first, last = result.metrics.head(10), result.metrics.tail(10)
+    print(
+        f"streamrl: success rate first 10 steps {first['success_rate'].mean():.3f} -> "
+        f"last 10 steps {last['success_rate'].mean():.3f}; "
+        f"reward {first['reward_mean'].mean():.3f} -> {last['reward_mean'].mean():.3f}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "submit":
         return _submit(args)
+    if args.command == "lineage":
+        return _lineage(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -69,16 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(cfg.model_dump_json(indent=2))
         return 0
-    from pipelines.grpo import run_job
-
-    result = run_job(cfg)
-    first, last = result.metrics.head(10), result.metrics.tail(10)
-    print(
-        f"streamrl: success rate first 10 steps {first['success_rate'].mean():.3f} -> "
-        f"last 10 steps {last['success_rate'].mean():.3f}; "
-        f"reward {first['reward_mean'].mean():.3f} -> {last['reward_mean'].mean():.3f}"
-    )
-    return 0
+    return _run(args, cfg)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ The only loop is the weight channel (train -> policy store -> generate).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import traceback
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,13 +30,17 @@ from operators.advantage import Advantage
 from operators.generate import Generate
 from operators.reward import Reward
 from operators.train import Train
-from pipelines.config import BUILTIN_MODEL_PREFIX, JobConfig, ModelConfig
+from pipelines.checkpoint import LEDGER, CheckpointDir, dataset_digest
+from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
-from pipelines.timeline import overlap_report
 from pipelines.resources import stage_options
+from pipelines.resume import (
+    AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
+)
+from pipelines.timeline import overlap_report
 from pipelines.trainer_group import start_trainer_group, stop_trainer_group
 
 
@@ -42,10 +48,11 @@ from pipelines.trainer_group import start_trainer_group, stop_trainer_group
 class JobResult:
     run_id: str | None
     metrics: pd.DataFrame  # one row per train step
-    checkpoint: Path
+    checkpoint: Path | None  # the final checkpoint (a Hugging Face folder plus the resumable state)
     model_path: str
     trainer_placement: list[dict] = field(default_factory=list)
     output_dir: Path = Path(".")
+    resume_id: str | None = None  # what `--resume` takes: the MLflow run id, or a local id when untracked
 
 
 def resolve_model_path(model: ModelConfig) -> str:
@@ -84,10 +91,11 @@ def engine_options(cfg: JobConfig) -> dict:
 
 def build_rl_dataset(
     schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers,
-    remote_args: dict[str, dict] | None = None,
+    remote_args: dict[str, dict] | None = None, first_step: int = 0, checkpoint_options: dict | None = None,
 ) -> ray.data.Dataset:
     """The DAG. `remote_args` adds Ray options per stage ("generate", "reward"), e.g.
-    {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}."""
+    {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}. `schedule` starts at
+    `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on."""
     remote_args = remote_args or {}
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
@@ -110,7 +118,8 @@ def build_rl_dataset(
     ds = ds.map_batches(
         Reward,
         fn_constructor_kwargs=dict(
-            functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error
+            functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
+            timeout_s=cfg.reward.timeout_s,
         ),
         compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
         batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
@@ -122,10 +131,12 @@ def build_rl_dataset(
     return ds.map_batches(
         Train,
         fn_constructor_kwargs=dict(
-            workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps,
-            success_threshold=cfg.reward.success_threshold,
+            workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
+            first_step=first_step, success_threshold=cfg.reward.success_threshold, **(checkpoint_options or {}),
         ),
-        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
+        # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
+        # last checkpoint instead (run_job).
+        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas", max_restarts=0,
     )
 
 
@@ -183,54 +194,148 @@ def ray_session(cfg: JobConfig):
         ray.shutdown()
 
 
-def run_job(cfg: JobConfig, echo: Callable[[str], None] = print) -> JobResult:
-    prompts, source = load_prompts(cfg.data)
-    model_path = resolve_model_path(cfg.model)
-    schedule = schedule_groups(prompts, cfg)
+class JobFailed(RuntimeError):
+    """The job stopped before its last step; `run_id` resumes it (`streamrl run ... --resume RUN_ID`)."""
+
+    def __init__(self, message: str, run_id: str, resume_step: int, interrupted: bool = False):
+        super().__init__(message)
+        self.run_id, self.resume_step, self.interrupted = run_id, resume_step, interrupted
+
+
+def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | None = None) -> JobResult:
+    """Run (or, with `resume` = a run id or 'latest', continue) a job. Raises ConfigError for bad
+    input before anything starts, JobFailed when it stops early."""
     output_dir = Path(cfg.output_dir).resolve()
+    model_path = resolve_model_path(cfg.model)
+    prompts, source = load_prompts(cfg.data)
+    prompts = checked_prompts(prompts, cfg, model_path, echo)
+    schedule = schedule_groups(prompts, cfg)
+    digest = dataset_digest(prompts)
+    checkpoint = None
+    if resume is not None:
+        run_id = resolve_run(output_dir, resume)
+        run_dir = CheckpointDir.of_run(output_dir, run_id)
+        for partial in run_dir.clean_partial():
+            echo(f"streamrl: removed {partial.name}, a checkpoint a dead job had not finished writing")
+        checkpoint = run_dir.latest_valid(echo)
+        check_can_resume(cfg, run_dir, checkpoint, schedule, digest)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(cfg, prompts, source) if cfg.tracking.enabled else NullTracker()
+    tracker = (Tracker(cfg, prompts, source, resume_run_id=resume and run_id, echo=echo)
+               if cfg.tracking.enabled else NullTracker())
+    if resume is None:
+        run_id = tracker.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        run_dir = CheckpointDir.of_run(output_dir, run_id)
+        run_dir.write_run_file(run_file_info(cfg, run_id, digest, time.time()))
+    start = checkpoint.step if checkpoint else 0
     echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
          f"max_staleness={cfg.train.max_staleness}, model {model_path}")
     echo(announce_run(tracker))
-    rows, status = [], "FAILED"
+    if resume is not None:
+        where = f"checkpoint {checkpoint.path} (step {start})" if checkpoint else "the start (no checkpoint yet)"
+        echo(f"streamrl: resuming run {run_id} from {where}")
+        tracker.set_tags({"resume.from_step": start})
+    run_info = {"run_id": run_id, "dataset": source, "dataset_digest": digest, "model_path": model_path}
+    rows, status, restarts, placement = [], "FAILED", 0, []
     try:
         with ray_session(cfg):
-            store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
-            store = create_policy_store(store_name)
-            workers, placement = start_trainer_group(cfg, model_path, store_name)
-            tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
-            try:
-                ds = build_rl_dataset(schedule, cfg, model_path, store_name, workers, stage_options(cfg))
-                progress = Progress(cfg.train.steps, echo)
-                for row in iter_steps(ds):
-                    tracker.log_step(row)
-                    progress.update(row)
-                    rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
-                overlap = overlap_report([row["timeline"] for row in rows])
-                tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()}})
-                echo(f"streamrl: overlap efficiency {overlap['overlap_efficiency']:.2f} "
-                     f"(trainer idle {overlap['trainer_idle_fraction']:.0%}, "
-                     f"generators idle {overlap['generator_idle_fraction']:.0%} over {overlap['window_s']:.0f}s)")
-                checkpoint = _save_checkpoint(workers, model_path, output_dir, tracker, cfg.train.steps)
-            finally:
-                stop_trainer_group(workers)
-                ray.kill(store)
+            progress = Progress(cfg.train.steps, echo, first_step=start)
+            while True:
+                try:
+                    placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
+                                             progress)
+                    break
+                except Exception as err:
+                    if not is_process_death(err) or restarts >= cfg.train.max_restarts:
+                        raise
+                    restarts += 1
+                    checkpoint = run_dir.latest_valid(echo)
+                    run_dir.clean_partial()
+                    start = checkpoint.step if checkpoint else 0
+                    rows[:] = [row for row in rows if row["step"] < start]  # steps after it are trained again
+                    echo(f"streamrl: a process died ({err}); restarting the trainer group and the DAG "
+                         f"from step {start} (restart {restarts}/{cfg.train.max_restarts})")
+                    tracker.set_tags({"restarts": restarts})
+                    progress.restart(start)
+        if rows:
+            overlap = overlap_report([row["timeline"] for row in rows])
+            tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()}})
+            echo(f"streamrl: overlap efficiency {overlap['overlap_efficiency']:.2f} "
+                 f"(trainer idle {overlap['trainer_idle_fraction']:.0%}, "
+                 f"generators idle {overlap['generator_idle_fraction']:.0%} over {overlap['window_s']:.0f}s)")
         status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise JobFailed(f"interrupted at step {_resume_step(run_dir)}", run_id, _resume_step(run_dir), True) from None
+    except ConfigError:
+        raise
+    except Exception as err:
+        step = _resume_step(run_dir)
+        summary = str(err) if isinstance(err, AttemptFailed) else describe_failure(err)
+        raise JobFailed(f"{summary} (the last checkpoint is at step {step})", run_id, step) from err
     finally:
         tracker.close(status)
-    echo(f"streamrl: done; checkpoint {checkpoint}; MLflow run {tracker.run_id}")
-    return JobResult(tracker.run_id, pd.DataFrame(rows), checkpoint, model_path, placement, output_dir)
+    final = run_dir.latest_valid(echo, hashes=False)
+    echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
+    return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
+                     output_dir, resume_id=run_id)
 
 
-def _save_checkpoint(workers, model_path: str, output_dir: Path, tracker, step: int) -> Path:
-    """Write the policy as an HF folder (weights + tokenizer) and link it to the run and step."""
-    from transformers import AutoTokenizer
+def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
+    """Refuse (or drop, with data.invalid_prompts: drop) empty, too-long and duplicate-id prompts."""
+    from pipelines.datasets import validate_prompts
 
-    name = f"{tracker.run_id or time.strftime('%Y%m%d-%H%M%S')}"
-    path = output_dir / "checkpoints" / name / f"step_{step:06d}"
-    path.mkdir(parents=True, exist_ok=True)
-    ray.get([worker.save_pretrained.remote(str(path)) for worker in workers])
-    AutoTokenizer.from_pretrained(model_path, local_files_only=True).save_pretrained(str(path))
-    tracker.log_checkpoint(path, step)
-    return path
+    kept, dropped = validate_prompts(prompts, cfg, model_path)
+    for kind, ids in dropped.items():
+        if ids:
+            echo(f"streamrl: dropped {len(ids)} {kind.replace('_', ' ')} prompt(s) (data.invalid_prompts: drop), "
+                 f"e.g. {', '.join(map(str, ids[:5]))}")
+    return kept
+
+
+def _resume_step(run_dir: CheckpointDir) -> int:
+    checkpoint = run_dir.latest_valid(lambda _: None, hashes=False)
+    return checkpoint.step if checkpoint else 0
+
+
+def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress) -> list[dict]:
+    """One try: a fresh policy store, trainer group and DAG, from `checkpoint` (None: step 0).
+    Returns where the trainer ranks ran."""
+    first = checkpoint.step if checkpoint else 0
+    store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
+    store = create_policy_store(store_name)
+    workers, placement = start_trainer_group(cfg, model_path, store_name)
+    try:
+        tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
+        if checkpoint is not None:  # rank 0 publishes the checkpoint's weights before any generator asks
+            ray.get([worker.load_checkpoint.remote(str(checkpoint.path), checkpoint.step) for worker in workers])
+        frames = [frame for frame in schedule if int(frame["train_step"].iloc[0]) >= first]
+        options = dict(
+            checkpoint_root=str(run_dir.root), checkpoint_every=cfg.train.checkpoint_every,
+            checkpoint_keep=cfg.train.checkpoint_keep, export_model_path=model_path, run_info=run_info,
+            prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
+            max_nan_skips=cfg.train.max_nan_skips,
+        )
+        ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
+                              first_step=first, checkpoint_options=options)
+        failure = None
+        try:
+            for row in iter_steps(ds):
+                tracker.log_step(row)
+                progress.update(row)
+                if row.get("checkpoint_path"):
+                    tracker.log_checkpoint(Path(row["checkpoint_path"]), int(row["step"]) + 1)
+                if row.get("nonfinite_skipped"):
+                    progress.echo(f"streamrl: step {int(row['step']) + 1}: the loss was not finite; step skipped, "
+                                  "weights unchanged (train.nan_policy: skip)")
+                rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
+        except Exception as err:  # keep its text, drop its frames (see AttemptFailed)
+            failure = AttemptFailed.from_exception(err)
+            traceback.clear_frames(err.__traceback__)
+    finally:
+        stop_trainer_group(workers)
+        ray.kill(store)
+    if failure is not None:
+        del ds
+        gc.collect()  # the failed DAG's actor handles sit in reference cycles: free them now
+        raise failure
+    return placement

@@ -12,20 +12,27 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total_steps: int, echo: Callable[[str], None] = print):
+    def __init__(self, total_steps: int, echo: Callable[[str], None] = print, first_step: int = 0):
+        """`first_step`: steps already done before this process (a resumed job)."""
         self.total_steps = total_steps
         self.echo = echo
         self.start = time.perf_counter()
+        self.restart(first_step)
+
+    def restart(self, first_step: int) -> None:
+        """Count again from `first_step` (a restart from a checkpoint); elapsed time keeps running."""
         self.first_step_end: float | None = None
-        self.done = 0
+        self.done = first_step
+        self.timed = 0  # steps finished by this process since the (re)start
 
     def update(self, row: dict) -> None:
-        self.done += 1
+        self.done = int(row["step"]) + 1
+        self.timed += 1
         now = time.perf_counter()
         elapsed = now - self.start
         if self.first_step_end is None:  # start-up (actors, first weights) is not a step's cost
             self.first_step_end = now
-        per_step = (now - self.first_step_end) / (self.done - 1) if self.done > 1 else elapsed
+        per_step = (now - self.first_step_end) / (self.timed - 1) if self.timed > 1 else elapsed
         left = per_step * (self.total_steps - self.done)
         self.echo(
             f"step {int(row['step']) + 1:>4}/{self.total_steps}"

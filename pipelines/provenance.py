@@ -1,0 +1,136 @@
+"""`streamrl lineage`: from a checkpoint back to the steps, groups, policy versions and prompts
+that produced it (read from the checkpoint's ledger; no MLflow needed).
+
+    streamrl lineage RUN_ID                      the run's newest checkpoint, summarised per step
+    streamrl lineage RUN_ID --step N             every group trained at step N
+    streamrl lineage --checkpoint PATH           any checkpoint folder
+    ... --json                                   the same as JSON, for scripts
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from pipelines.checkpoint import Checkpoint, CheckpointError, find_run_dirs, verify
+
+
+class LineageError(Exception):
+    """The run or checkpoint asked for cannot be found or read."""
+
+
+def find_run_dir(run_id: str, output_dir: str | None) -> Path:
+    """`output_dir/checkpoints/RUN_ID`; without output_dir, searched under ./runs."""
+    roots = [Path(output_dir)] if output_dir else sorted({p.parent.parent for p in Path("runs").glob("**/checkpoints/*")})
+    for root in roots:
+        if (root / "checkpoints" / run_id).is_dir():
+            return root / "checkpoints" / run_id
+    known = [p.name for root in roots for p in find_run_dirs(root)][-5:]
+    where = output_dir or "./runs"
+    raise LineageError(f"no run {run_id!r} under {where} (recent runs: {', '.join(known) or 'none'}); "
+                       "pass --output-dir (the job's output_dir) or --checkpoint PATH")
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    try:
+        state = verify(path)
+    except CheckpointError as err:
+        raise LineageError(str(err)) from None
+    return Checkpoint(path, int(state["step"]), state)
+
+
+def newest_checkpoint(run_dir: Path) -> Checkpoint:
+    steps = sorted((p for p in run_dir.glob("step_*") if p.is_dir()), reverse=True)
+    for path in steps:
+        try:
+            return open_checkpoint(path)
+        except LineageError:
+            continue
+    raise LineageError(f"{run_dir} has no complete checkpoint yet")
+
+
+def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
+    """What produced `checkpoint`: a header, a per-step summary, and the groups (of `step`, or all)."""
+    ledger = checkpoint.ledger()
+    if step is not None:
+        if step >= checkpoint.step or step < 0:
+            raise LineageError(
+                f"step {step} is not in checkpoint {checkpoint.path} (it holds steps 0-{checkpoint.step - 1}); "
+                "a later checkpoint holds it, or the run's MLflow artifact rollouts/step_NNNNNN.parquet does"
+            )
+        ledger = ledger[ledger["train_step"] == step]
+    per_step = ledger.groupby("train_step").agg(
+        groups=("group_uid", "size"),
+        version_min=("policy_version", "min"), version_max=("policy_version", "max"),
+        staleness_max=("staleness", "max"), trained=("trained", "all"),
+        prompt_ids=("prompt_id", lambda ids: list(ids)),
+    ).reset_index()
+    state = checkpoint.state
+    return {
+        "checkpoint": str(checkpoint.path), "run_id": state.get("run_id"), "step": checkpoint.step,
+        "policy_version": state.get("policy_version"), "dataset": state.get("dataset"),
+        "dataset_digest": state.get("dataset_digest"),
+        "model_path": state.get("model_path"),
+        "groups": int(len(ledger)), "distinct_prompts": int(ledger["prompt_id"].nunique()),
+        "skipped_steps": [int(s) for s in per_step.loc[~per_step["trained"], "train_step"]],
+        "steps": per_step.to_dict("records"),
+        "ledger": ledger.to_dict("records"),
+    }
+
+
+def _versions(row: dict) -> str:
+    low, high = int(row["version_min"]), int(row["version_max"])
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def format_lineage(info: dict, step: int | None) -> str:
+    lines = [
+        f"checkpoint {info['checkpoint']}",
+        f"  run {info['run_id']} | step {info['step']} | policy version {info['policy_version']}",
+        f"  dataset {info['dataset']} (digest {info['dataset_digest']})",
+        f"  model {info['model_path']}",
+    ]
+    steps = info["steps"]
+    if not steps:
+        return "\n".join(lines + ["  (no groups)"])
+    if step is None:
+        first, last = steps[0]["train_step"], steps[-1]["train_step"]
+        lines.append(f"  produced by steps {first}-{last}: {info['groups']} groups, {info['distinct_prompts']} distinct "
+                     f"prompt ids, skipped steps: {info['skipped_steps'] or 'none'}")
+        lines.append(f"  {'step':>5} {'groups':>6} {'versions':>9} {'stale':>5}  prompt ids")
+        for row in steps:
+            ids = " ".join(map(str, row["prompt_ids"][:6])) + (" ..." if len(row["prompt_ids"]) > 6 else "")
+            lines.append(f"  {row['train_step']:>5} {row['groups']:>6} {_versions(row):>9} {row['staleness_max']:>5}  {ids}")
+        return "\n".join(lines)
+    lines.append(f"  step {step}: {info['groups']} groups" + ("" if steps[0]["trained"] else " (skipped: loss not finite)"))
+    lines.append(f"  {'group_uid':<16} {'prompt_id':<16} {'epoch':>5} {'version':>7} {'stale':>5}")
+    for row in info["ledger"]:
+        lines.append(f"  {row['group_uid']:<16} {str(row['prompt_id']):<16} {row['epoch']!s:>5} "
+                     f"{row['policy_version']:>7} {row['staleness']:>5}")
+    return "\n".join(lines)
+
+
+def lineage_command(run_id: str | None, step: int | None, checkpoint: str | None, output_dir: str | None,
+                    as_json: bool) -> str:
+    if checkpoint:
+        opened = open_checkpoint(Path(checkpoint))
+    elif run_id:
+        opened = newest_checkpoint(find_run_dir(run_id, output_dir))
+    else:
+        raise LineageError("give a RUN_ID or --checkpoint PATH")
+    info = lineage(opened, step)
+    if as_json:
+        return json.dumps(info, indent=1, default=_plain)
+    return format_lineage(info, step)
+
+
+def _plain(value):
+    if isinstance(value, (pd.Timestamp,)):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    if value is pd.NA:
+        return None
+    return str(value)

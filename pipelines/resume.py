@@ -1,0 +1,151 @@
+"""Resuming a run: find it, check that this config and dataset can continue it, and classify
+failures that a restart from the last checkpoint can fix.
+
+`streamrl run CONFIG --resume RUN_ID|latest` continues the run's MLflow run at the step
+after its newest valid checkpoint. The config may change only where the change cannot
+alter what is learned (resources, tracking, checkpoint cadence, a longer `train.steps`);
+the prompts must be the same (digest) and schedule the same groups; anything else is
+refused with the differing fields, before any actor starts.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from pathlib import Path
+
+import pandas as pd
+
+from pipelines.checkpoint import Checkpoint, CheckpointDir, find_run_dirs
+from pipelines.config import ConfigError, JobConfig, flatten
+
+# Fields a resumed run may change: where and how it runs, not what it learns.
+MAY_CHANGE = (
+    "tracking.", "ray.", "output_dir", "train.steps", "train.checkpoint_every", "train.checkpoint_keep",
+    "train.max_restarts", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
+    "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.num_cpus",
+    "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
+    "reward.timeout_s", "data.invalid_prompts",
+)
+
+# Ray errors that mean a process died (not that the code is wrong): a restart can fix them.
+_PROCESS_DEATHS = (
+    "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
+    "OwnerDiedError", "ObjectLostError", "ObjectReconstructionFailedError", "ActorPlacementGroupRemoved",
+)
+
+
+def resolve_run(output_dir: Path, resume: str) -> str:
+    """The run id `--resume` names: itself, or the newest run under `output_dir` for 'latest'."""
+    runs = find_run_dirs(output_dir)
+    if resume == "latest":
+        if not runs:
+            raise ConfigError([("--resume", f"no run to resume under {Path(output_dir) / 'checkpoints'}; "
+                                "start one without --resume (or pass the output_dir the run used)")])
+        return runs[-1].name
+    if not (Path(output_dir) / "checkpoints" / resume).is_dir():
+        known = ", ".join(p.name for p in runs[-5:]) or "none"
+        raise ConfigError([("--resume", f"run {resume!r} has no folder under {Path(output_dir) / 'checkpoints'} "
+                            f"(runs there: {known}); check the id and output_dir, or use --resume latest")])
+    return resume
+
+
+def config_changes(saved: dict, cfg: JobConfig) -> list[tuple[str, str]]:
+    """(field, message) for every field that differs from the run's and may not change."""
+    now = flatten(cfg)
+    before = {key: value for key, value in saved.items()}
+    problems = []
+    for key in sorted(set(now) | set(before)):
+        if key.startswith(MAY_CHANGE) or now.get(key) == before.get(key):
+            continue
+        problems.append((key, f"the run used {before.get(key)!r}, this config has {now.get(key)!r}; a resumed run "
+                              "must learn the same way: use the run's value, or start a new run without --resume"))
+    return problems
+
+
+def check_can_resume(
+    cfg: JobConfig, run_dir: CheckpointDir, checkpoint: Checkpoint | None, schedule: list[pd.DataFrame], digest: str
+) -> None:
+    """Raise ConfigError unless this config and these prompts continue the run exactly."""
+    info = run_dir.run_file()
+    if info is None:
+        raise ConfigError([("--resume", f"{run_dir.root} has no run.json; it is not a streamrl run folder")])
+    problems = config_changes(info["config"], cfg)
+    if info.get("dataset_digest") != digest:
+        problems.append(("data.path", f"the prompts differ from the run's (digest {info.get('dataset_digest')} "
+                                      f"then, {digest} now); resume with the same dataset"))
+    if checkpoint is not None:
+        if checkpoint.step > cfg.train.steps:
+            problems.append(("train.steps", f"{cfg.train.steps} is below the checkpoint's step {checkpoint.step}"))
+        expected = pd.concat(schedule, ignore_index=True)
+        expected = expected[expected["train_step"] < checkpoint.step].set_index("group_uid")["prompt_id"]
+        ledger = checkpoint.ledger().set_index("group_uid")["prompt_id"]
+        if len(ledger) != len(expected) or not ledger.sort_index().astype(str).equals(expected.sort_index().astype(str)):
+            problems.append(("data", f"the checkpoint's ledger ({len(ledger)} groups) does not match the groups "
+                                     f"this config schedules before step {checkpoint.step} ({len(expected)}); the data "
+                                     "order changed (data.seed, data.shuffle, train.groups_per_step?)"))
+    if problems:
+        raise ConfigError(problems, f"resume {run_dir.root.name}")
+
+
+def run_file_info(cfg: JobConfig, run_id: str, digest: str, started_at: float) -> dict:
+    return {"run_id": run_id, "config": flatten(cfg), "dataset_digest": digest, "started_at": started_at}
+
+
+class AttemptFailed(RuntimeError):
+    """One try of a job failed. Carries the failure as text only: the original exception's
+    traceback holds the Ray Data executor and its actor handles, and while any handle lives
+    its actor (and the CPUs it reserved) stays up, starving the next try of resources."""
+
+    def __init__(self, summary: str, details: str, process_death: bool):
+        super().__init__(summary)
+        self.details, self.process_death = details, process_death
+
+    @classmethod
+    def from_exception(cls, err: BaseException) -> "AttemptFailed":
+        return cls(describe_failure(err), "".join(traceback.format_exception(err)), is_process_death(err))
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line: which process died (class and pid, when Ray says), else the error itself."""
+    text = "".join(traceback.format_exception(err))
+    for name in _PROCESS_DEATHS:
+        match = re.search(rf"{name}: (.*)", text)
+        if match:
+            who = re.search(r"class_name: (\w+)", text[match.start():])
+            pid = re.search(r"pid: (\d+)", text[match.start():])
+            actor = f" ({who.group(1)}{f', pid {pid.group(1)}' if pid else ''})" if who else ""
+            return f"{name}{actor}: {match.group(1).strip()}"[:300]
+    for line in reversed(text.strip().splitlines()):  # the innermost error is last
+        if re.match(r"^[\w.]+(Error|Exception)\b", line):
+            return line.strip()[:300]
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def is_process_death(err: BaseException) -> bool:
+    """True when `err` comes from a Ray process dying (restartable), not from a bug or bad numbers."""
+    if isinstance(err, AttemptFailed):
+        return err.process_death
+    text = "".join(traceback.format_exception(err))
+    if "NonFiniteError" in text:  # numbers, not processes: a restart would only repeat it
+        return False
+    chain, seen = [err], set()
+    while chain:
+        current = chain.pop()
+        if id(current) in seen or current is None:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ in _PROCESS_DEATHS:
+            return True
+        chain += [getattr(current, "cause", None), current.__cause__, current.__context__]
+    # Ray Data re-raises a failed operator task as its own exception type with the original
+    # traceback as text; the dead actor's error class is only visible there.
+    return any(name in text for name in _PROCESS_DEATHS)
+
+
+def resume_command(config: str, overrides: list[str], run_id: str) -> str:
+    import shlex
+
+    sets = [part for item in overrides for part in ("--set", item)]
+    return shlex.join(["streamrl", "run", config, *sets, "--resume", run_id])
