@@ -21,6 +21,13 @@ from pathlib import Path
 import numpy as np
 
 
+def _as_float32(values) -> np.ndarray:
+    """float32 with overflow to +-inf (torch refuses such casts with an error); a non-finite value
+    then shows up in the loss, which the NaN guard handles instead of the step crashing."""
+    with np.errstate(over="ignore"):
+        return np.asarray(values, dtype=np.float64).astype(np.float32)
+
+
 class NonFiniteError(RuntimeError):
     """The loss or the weights became NaN/inf and the job must stop (nothing was published)."""
 
@@ -115,8 +122,8 @@ class TrainWorker:
             attention[row, : len(seq)] = 1
             span = slice(prompt_len - 1, prompt_len - 1 + response_len)
             mask[row, span] = 1.0
-            old_logprobs[row, span] = torch.tensor(samples["behavior_logprobs"][row], dtype=torch.float32)
-            advantages[row, span] = float(samples["advantages"][row])
+            old_logprobs[row, span] = torch.from_numpy(_as_float32(samples["behavior_logprobs"][row]))
+            advantages[row, span] = float(_as_float32([samples["advantages"][row]])[0])
         return input_ids, attention, mask, old_logprobs, advantages
 
     def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int, share: float = 1.0):

@@ -196,7 +196,6 @@ class Tracker:
         self.mlflow = mlflow
         self.echo = echo
         self.output_dir = Path(cfg.output_dir).resolve()
-        self.rollouts_dir = self.output_dir / "rollouts"
         self.log_rollouts = cfg.tracking.log_rollouts
         self.flush_timeout_s = cfg.tracking.flush_timeout_s
         self.tracking_uri = cfg.tracking_uri()
@@ -235,6 +234,9 @@ class Tracker:
             run = client.create_run(experiment_id, tags=resolve_tags(user_tags), run_name=cfg.tracking.run_name)
         self.run = run
         self.run_id = run_id = run.info.run_id
+        # Per run: a spooled artifact is uploaded from its path later, so another run in the same
+        # output_dir must not overwrite the file before it is delivered.
+        self.rollouts_dir = self.output_dir / "rollouts" / run_id
         self.resumed = bool(resume_run_id)
 
         params = {key: str(value)[:MAX_PARAM_CHARS] for key, value in flatten(cfg).items()}

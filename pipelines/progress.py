@@ -11,6 +11,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def _number(value) -> float:
+    """A metric as a float; a missing one (a skipped step's NaN loss comes back from Arrow as None) is NaN."""
+    return float("nan") if value is None else float(value)
+
+
+def _short(value: float) -> str:
+    return f"{value:.3f}" if abs(value) < 1e6 else f"{value:.3g}"
+
+
 class Progress:
     def __init__(self, total_steps: int, echo: Callable[[str], None] = print, first_step: int = 0):
         """`first_step`: steps already done before this process (a resumed job)."""
@@ -34,9 +43,11 @@ class Progress:
             self.first_step_end = now
         per_step = (now - self.first_step_end) / (self.timed - 1) if self.timed > 1 else elapsed
         left = per_step * (self.total_steps - self.done)
+        value = {key: _number(row.get(key)) for key in (
+            "reward_mean", "success_rate", "policy_loss", "staleness_mean", "staleness_max", "tokens_per_s")}
         self.echo(
             f"step {int(row['step']) + 1:>4}/{self.total_steps}"
-            f" | reward {row['reward_mean']:.3f} | success {row['success_rate']:.2f}"
-            f" | loss {row['policy_loss']:+.4f} | staleness {row['staleness_mean']:.1f}/{row['staleness_max']}"
-            f" | {row['tokens_per_s']:,.0f} tok/s | elapsed {_duration(elapsed)} | left {_duration(left)}"
+            f" | reward {_short(value['reward_mean'])} | success {value['success_rate']:.2f}"
+            f" | loss {value['policy_loss']:+.4f} | staleness {value['staleness_mean']:.1f}/{value['staleness_max']:.0f}"
+            f" | {value['tokens_per_s']:,.0f} tok/s | elapsed {_duration(elapsed)} | left {_duration(left)}"
         )
