@@ -37,3 +37,23 @@ def exit_on_seven(completions, **kwargs):
 
         os._exit(3)
     return [1.0] * len(completions)
+
+
+def troublemaker(completions, prompt_id, answer, **kwargs):
+    """arithmetic_exact, except: hangs forever on prompt arith-00003 (a stuck reward function), and
+    gives the first sample of prompt arith-00007 a reward of 1e308, finite in float64 but inf once
+    the trainer casts advantages to float32 (with an advantage that is not divided by the std)."""
+    import time
+
+    from operators.reward import arithmetic_exact
+
+    if "arith-00003" in prompt_id:
+        while True:
+            time.sleep(3600)
+    scores = arithmetic_exact(completions, answer)
+    first = {}
+    for index, pid in enumerate(prompt_id):
+        if pid == "arith-00007" and pid not in first:
+            first[pid] = index
+            scores[index] = 1e308
+    return scores

@@ -1,0 +1,230 @@
+"""Faults, for real: processes killed with SIGKILL in the middle of a job.
+
+* the driver (`streamrl run` in its own process) at a random step, then `--resume latest`;
+* a generate actor and a reward actor (Ray Data restarts them and retries their tasks);
+* a trainer rank (the job restarts the trainer group from the last checkpoint, bounded by
+  train.max_restarts; past that it fails with the run to resume, and the resume finishes it).
+
+Every time the final checkpoint's ledger must hold each prompt of the epoch exactly once,
+each step its groups, and the staleness bound; at max_staleness 0 the resumed run's final
+weights must equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from safetensors.numpy import load_file
+
+from pipelines.checkpoint import CheckpointDir
+from pipelines.config import load_config
+from pipelines.grpo import JobFailed, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, GROUPS, N, PROMPTS = 8, 4, 4, 32  # one epoch: every prompt is scheduled exactly once
+pytestmark = pytest.mark.slow
+
+
+def overrides(output_dir: Path, **extra) -> list[str]:
+    values = {
+        "train.steps": STEPS, "train.groups_per_step": GROUPS, "rollout.n": N, "rollout.groups_per_call": 2,
+        "data.num_prompts": PROMPTS, "train.checkpoint_every": 2, "train.checkpoint_keep": 0,
+        "rollout.num_cpus": 0.25, "output_dir": str(output_dir), **extra,
+    }
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def config(output_dir: Path, **extra):
+    return load_config(ROOT / "configs" / "tiny_grpo.yaml", overrides(output_dir, **extra))
+
+
+def final_ledger(output_dir: Path, run_id: str) -> pd.DataFrame:
+    checkpoint = CheckpointDir.of_run(output_dir, run_id).latest_valid()
+    assert checkpoint is not None and checkpoint.step == STEPS, checkpoint
+    return checkpoint.ledger()
+
+
+def assert_exactly_once(ledger: pd.DataFrame, max_staleness: int) -> None:
+    expected = {f"arith-{index:05d}" for index in range(PROMPTS)}
+    assert len(ledger) == PROMPTS, ledger
+    assert ledger["group_uid"].is_unique and ledger["prompt_id"].is_unique
+    assert set(ledger["prompt_id"]) == expected
+    assert ledger.groupby("train_step").size().to_dict() == {step: GROUPS for step in range(STEPS)}
+    assert ledger["trained"].all()
+    assert (ledger["staleness"] == ledger["train_step"] - ledger["policy_version"]).all()
+    assert ledger["staleness"].between(0, max_staleness).all(), ledger["staleness"].value_counts()
+
+
+def actor_pids(class_part: str) -> list[int]:
+    """Pids of this cluster's live actors whose class name contains `class_part` (from the GCS;
+    the state API would need the dashboard, which test clusters do not start)."""
+    from ray._private import state
+
+    return [a["Pid"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and class_part in a["ActorClassName"] and a.get("Pid")]
+
+
+class KillAt:
+    """An `echo` for run_job: passes lines through and runs `action` when step `k` is reported."""
+
+    def __init__(self, actions: dict[int, callable]):
+        self.actions = dict(actions)
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        print(line, flush=True)
+        match = re.match(r"step\s+(\d+)/", line)
+        if match and int(match.group(1)) in self.actions:
+            self.actions.pop(int(match.group(1)))()
+
+
+def sigkill(pids: list[int]) -> None:
+    assert pids, "nothing to kill"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_cluster, tmp_path):
+    # The reference: the same job, uninterrupted, in this process.
+    reference = run_job(config(tmp_path / "reference", **{"train.max_staleness": 0}))
+    # The same job as a user runs it, its driver killed with SIGKILL at a random step.
+    seed = int(os.environ.get("STREAMRL_FAULT_SEED", time.time()))
+    kill_after = random.Random(seed).randint(3, STEPS - 1)
+    print(f"fault seed {seed}: SIGKILL the driver once it reports step {kill_after}/{STEPS}")
+    out = tmp_path / "killed"
+    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
+            *[arg for item in overrides(out, **{"train.max_staleness": 0}) for arg in ("--set", item)]]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, start_new_session=True)
+    seen = []
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if re.match(rf"step\s+{kill_after}/", line):
+                driver.send_signal(signal.SIGKILL)
+                break
+        assert driver.wait(timeout=60) == -signal.SIGKILL, "".join(seen)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        time.sleep(5)  # Ray's reaper takes the dead driver's local cluster down; clear what is left
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    run_id = re.search(r"MLflow run (\w+)", "".join(seen)).group(1)
+    resumed = subprocess.run(argv + ["--resume", "latest"], cwd=ROOT, capture_output=True, text=True, env=env,
+                             timeout=600, start_new_session=True)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    match = re.search(rf"resuming run {run_id} from checkpoint \S+ \(step (\d+)\)", resumed.stdout)
+    assert match, resumed.stdout[-3000:]
+    resumed_from = int(match.group(1))
+    assert 2 <= resumed_from <= kill_after + 1 and resumed_from % 2 == 0, resumed_from
+    # The resumed job reported only the steps after its checkpoint, in the same MLflow run.
+    reported = [int(s) for s in re.findall(r"^step\s+(\d+)/", resumed.stdout, re.MULTILINE)]
+    assert reported == list(range(resumed_from + 1, STEPS + 1)), reported
+    mlflow.set_tracking_uri(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    run = mlflow.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward_mean")
+    assert {m.step for m in history} == set(range(STEPS))
+    assert_exactly_once(final_ledger(out, run_id), max_staleness=0)
+    # Same seed, staleness 0: the interrupted-and-resumed policy is the uninterrupted one.
+    expected = load_file(str(reference.checkpoint / "model.safetensors"))
+    got = load_file(str(CheckpointDir.of_run(out, run_id).latest_valid().path / "model.safetensors"))
+    assert expected.keys() == got.keys()
+    start = load_file(str(Path(reference.model_path) / "model.safetensors"))
+    assert any(not np.array_equal(start[name], expected[name]) for name in expected)  # it did learn something
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_generate_and_reward_actors_sigkilled_midjob(ray_cluster, tmp_path):
+    killed = {}
+
+    def kill(kind: str, class_part: str):
+        def action():
+            killed[kind] = actor_pids(class_part)
+            sigkill(killed[kind])
+        return action
+
+    echo = KillAt({2: kill("generate", "Generate"), 4: kill("reward", "Reward")})
+    cfg = config(tmp_path, **{"train.max_staleness": 1, "rollout.num_actors": 1})
+    result = run_job(cfg, echo=echo)
+    assert killed.get("generate") and killed.get("reward"), killed
+    assert result.metrics["step"].tolist() == list(range(STEPS))
+    assert_exactly_once(final_ledger(tmp_path, result.run_id), max_staleness=1)
+    # A new generate process served the steps after the kill.
+    mlflow.set_tracking_uri(cfg.tracking_uri())
+    client = mlflow.tracking.MlflowClient()
+    late = pd.read_parquet(client.download_artifacts(result.run_id, f"rollouts/step_{STEPS - 1:06d}.parquet"))
+    assert late["train_step"].eq(STEPS - 1).all()
+    assert not set(actor_pids("Generate")) & set(killed["generate"])
+
+
+def test_trainer_rank_sigkilled_restarts_then_fails_with_resume_then_resumes(ray_cluster, tmp_path):
+    kill_rank = lambda: sigkill(actor_pids("TrainWorker"))  # noqa: E731
+    echo = KillAt({3: kill_rank, 5: kill_rank})  # a restart reports steps again: each kill fires once
+    cfg = config(tmp_path, **{"train.max_staleness": 1, "train.max_restarts": 1})
+    with pytest.raises(JobFailed) as failure:
+        run_job(cfg, echo=echo)
+    # First kill: restarted automatically from the last checkpoint (step 2, or 4 if it was written already).
+    restarts = [line for line in echo.lines if "restarting the trainer group" in line]
+    assert len(restarts) == 1 and re.search(r"from step [24] \(restart 1/1\)", restarts[0]), echo.lines[-20:]
+    # Second kill: restarts exhausted; the failure names the run and the step to resume from.
+    run_id, step = failure.value.run_id, failure.value.resume_step
+    assert step in (4, 6), step
+    resumed = run_job(cfg, resume=run_id, echo=print)
+    assert resumed.run_id == run_id
+    assert resumed.metrics["step"].tolist() == list(range(step, STEPS))
+    assert_exactly_once(final_ledger(tmp_path, run_id), max_staleness=1)
+    mlflow.set_tracking_uri(cfg.tracking_uri())
+    run = mlflow.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    for metric in ("reward_mean", "policy_loss", "staleness_max"):
+        history = mlflow.tracking.MlflowClient().get_metric_history(run_id, metric)
+        assert {m.step for m in history} == set(range(STEPS)), metric
+
+
+def test_hanging_reward_and_nonfinite_loss_midjob(tmp_path):
+    """End to end, as a user runs it (their reward module on PYTHONPATH): a reward call that never
+    returns costs its batch (timeout from config), a step whose loss is inf is skipped, and the job
+    finishes with finite weights and a ledger that says which step was skipped."""
+    out = tmp_path / "job"
+    sets = overrides(out, **{"train.max_staleness": 1, "reward.timeout_s": 3, "algorithm.advantage": "grpo_no_std",
+                             "reward.functions": "[{name: 'reward_fixtures:troublemaker'}]"})
+    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
+            *[arg for item in sets for arg in ("--set", item)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_id = re.search(r"MLflow run (\w+)", done.stdout).group(1)
+    ledger = final_ledger(out, run_id)
+    exploded = int(ledger.loc[ledger["prompt_id"] == "arith-00007", "train_step"].iloc[0])
+    hung = int(ledger.loc[ledger["prompt_id"] == "arith-00003", "train_step"].iloc[0])
+    # Every prompt still went through exactly once; only the exploding step is marked untrained.
+    assert len(ledger) == PROMPTS and ledger["prompt_id"].is_unique
+    assert set(ledger.loc[~ledger["trained"], "train_step"]) == {exploded}
+    assert f"step {exploded + 1}: the loss was not finite; step skipped" in done.stdout
+    mlflow.set_tracking_uri(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient()
+    skipped = {m.step: m.value for m in client.get_metric_history(run_id, "nonfinite_skipped")}
+    assert skipped == {step: float(step == exploded) for step in range(STEPS)}
+    timeouts = {m.step: m.value for m in client.get_metric_history(run_id, "reward_timeouts")}
+    assert timeouts[hung] >= N and all(v == 0 for step, v in timeouts.items() if step != hung), timeouts
+    weights = load_file(str(CheckpointDir.of_run(out, run_id).latest_valid().path / "model.safetensors"))
+    assert all(np.isfinite(array).all() for array in weights.values())
