@@ -47,14 +47,13 @@ class Train:
         checkpoint_every: int = 0,
         checkpoint_keep: int = 0,
         prior_ledger: str | None = None,
-        export_model_path: str | None = None,
         run_info: dict | None = None,
         max_nan_skips: int | None = None,
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
         checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
-        `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (tokenizer from
-        `export_model_path`). `prior_ledger`: the ledger of the checkpoint the job resumed from."""
+        `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (weights and
+        tokenizer). `prior_ledger`: the ledger of the checkpoint the job resumed from."""
         self.workers = list(workers)
         self.groups_per_step = groups_per_step
         self.end_step = first_step + total_steps
@@ -67,7 +66,6 @@ class Train:
             self.checkpoints = CheckpointDir(Path(checkpoint_root))
         self.checkpoint_every = checkpoint_every
         self.checkpoint_keep = checkpoint_keep
-        self.export_model_path = export_model_path
         self.run_info = dict(run_info or {})
         self.ledger: list[pd.DataFrame] = [pd.read_parquet(prior_ledger)] if prior_ledger else []
         self.seen: set[str] = set(self.ledger[0]["group_uid"]) if self.ledger else set()
@@ -136,7 +134,9 @@ class Train:
                     f"{self.nan_skips} steps had a non-finite loss (train.max_nan_skips: {self.max_nan_skips}); "
                     "stopping. Lower train.lr, check the rewards, or raise train.max_nan_skips"
                 )
+        checkpoint_start = time.perf_counter()
         checkpoint = self._maybe_checkpoint(step + 1)
+        metrics["time_checkpoint"] = time.perf_counter() - checkpoint_start  # trainer blocked while it writes
         # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
         # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
         timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows)})
@@ -156,12 +156,9 @@ class Train:
         tmp = self.checkpoints.begin(steps_done)
         try:
             ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in self.workers])
-            if last:  # the final policy, loadable with from_pretrained / vLLM
-                ray.get([worker.save_pretrained.remote(str(tmp)) for worker in self.workers])
-                if self.export_model_path:
-                    from transformers import AutoTokenizer
-
-                    AutoTokenizer.from_pretrained(self.export_model_path, local_files_only=True).save_pretrained(str(tmp))
+            if last:  # the final policy, loadable with from_pretrained / vLLM (rank 0 adds the tokenizer:
+                # it has transformers loaded already; importing it here would cost this actor seconds)
+                ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in self.workers])
             ledger = pd.concat(self.ledger, ignore_index=True)
             state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger),
                      "world_size": len(self.workers)}

@@ -321,11 +321,18 @@ class TrainWorker:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
 
-    def save_pretrained(self, path: str) -> str | None:
-        """Write an HF checkpoint (rank 0 writes; every rank must call it under ZeRO-3)."""
+    def save_pretrained(self, path: str, tokenizer: bool = False) -> str | None:
+        """Write an HF checkpoint (rank 0 writes; every rank must call it under ZeRO-3), with the
+        model folder's tokenizer when `tokenizer` (so the folder loads with from_pretrained / vLLM)."""
         state = self._full_state_dict()
         if self.rank != 0:
             return None
         self.engine.module.save_pretrained(path, state_dict={k: self.torch.from_numpy(v) for k, v in state.items()})
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(
+                self.settings.model_path, local_files_only=True, trust_remote_code=self.settings.trust_remote_code
+            ).save_pretrained(path)
         return path
 

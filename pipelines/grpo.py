@@ -311,7 +311,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         frames = [frame for frame in schedule if int(frame["train_step"].iloc[0]) >= first]
         options = dict(
             checkpoint_root=str(run_dir.root), checkpoint_every=cfg.train.checkpoint_every,
-            checkpoint_keep=cfg.train.checkpoint_keep, export_model_path=model_path, run_info=run_info,
+            checkpoint_keep=cfg.train.checkpoint_keep, run_info=run_info,
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
             max_nan_skips=cfg.train.max_nan_skips,
         )
@@ -324,6 +324,8 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                 progress.update(row)
                 if row.get("checkpoint_path"):
                     tracker.log_checkpoint(Path(row["checkpoint_path"]), int(row["step"]) + 1)
+                    progress.echo(f"streamrl: checkpoint {row['checkpoint_path']} "
+                                  f"({row.get('time_checkpoint', 0.0):.1f}s)")
                 if row.get("nonfinite_skipped"):
                     progress.echo(f"streamrl: step {int(row['step']) + 1}: the loss was not finite; step skipped, "
                                   "weights unchanged (train.nan_policy: skip)")
