@@ -51,6 +51,7 @@ class TrainerSettings:
     max_new_tokens: int = 16
     trust_remote_code: bool = False
     micro_batch_tokens: int = 0
+    zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job
 
 
@@ -89,7 +90,9 @@ class TrainWorker:
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": settings.grad_clip,
-            "zero_optimization": {"stage": settings.zero_stage},
+            "zero_optimization": {"stage": settings.zero_stage, **(
+                {"stage3_param_persistence_threshold": settings.zero3_persistence_threshold}
+                if settings.zero3_persistence_threshold is not None else {})},
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": settings.dtype == "bf16"},
             "steps_per_print": 10**9,
@@ -97,6 +100,10 @@ class TrainWorker:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.pad_id = model.config.pad_token_id or 0
         self.store = ray.get_actor(policy_store) if rank == 0 and policy_store else None
+        # Under ZeRO-3 gathering the full weights is a collective: every rank takes part in a
+        # publish, rank 0 alone sends them. (Small models hide this: DeepSpeed keeps parameters
+        # below stage3_param_persistence_threshold whole on every rank, so nothing is gathered.)
+        self.joins_publish = policy_store is not None and (rank == 0 or settings.zero_stage == 3)
         self.version = 0
 
     def ready(self) -> dict:
@@ -220,7 +227,7 @@ class TrainWorker:
             self.engine.step()
             grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         self.version += 1  # a skipped step still consumes its data and advances the version counter
-        publish_seconds = self._publish() if self.store is not None else 0.0
+        publish_seconds = self._publish() if self.joins_publish else 0.0
         return {
             "nonfinite_skipped": int(skipped),
             "policy_loss": loss.item(),  # rank losses average to the global loss (see _aggregate)
@@ -261,7 +268,9 @@ class TrainWorker:
         import ray
 
         start = time.perf_counter()
-        weights = self._full_state_dict()
+        weights = self._full_state_dict()  # every rank under ZeRO-3 (collective), else rank 0 only
+        if self.store is None:
+            return time.perf_counter() - start
         bad = [name for name, array in weights.items() if not np.isfinite(array).all()]
         if bad:  # never hand NaN weights to the generators (or to a checkpoint)
             raise NonFiniteError(
@@ -301,7 +310,7 @@ class TrainWorker:
         if rng_file.is_file():
             self._set_rng_state(json.loads(rng_file.read_text()))
         self.version = version
-        if self.store is not None and version > 0:
+        if self.joins_publish and version > 0:
             self._publish()
         return version
 

@@ -300,6 +300,11 @@ class TrainConfig(_Section):
         "job fails (an autoscaler may need minutes to add nodes)."
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per trainer rank.")
+    zero3_persistence_threshold: Optional[int] = Field(
+        None, ge=0, description="ZeRO-3 only: parameters with fewer elements than this stay whole on every rank "
+        "instead of being partitioned (DeepSpeed's stage3_param_persistence_threshold; unset: its default, 1e5). "
+        "Lower saves memory, higher saves all-gathers."
+    )
     micro_batch_tokens: int = Field(
         0, ge=0,
         description="Split each rank's samples, sorted by length, into micro-batches padded to at most this "

@@ -25,7 +25,7 @@ MAY_CHANGE = (
     "train.max_restarts", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
     "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
-    "reward.timeout_s", "data.invalid_prompts",
+    "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
 )
 
 # Ray errors that mean a process died (not that the code is wrong): a restart can fix them.

@@ -54,6 +54,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         max_new_tokens=cfg.rollout.max_new_tokens,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
         nan_policy=cfg.train.nan_policy,
+        zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
         trust_remote_code=cfg.model.trust_remote_code,
     )
 
