@@ -220,8 +220,15 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         checkpoint = run_dir.latest_valid(echo)
         check_can_resume(cfg, run_dir, checkpoint, schedule, digest)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tracker = (Tracker(cfg, prompts, source, resume_run_id=resume and run_id, echo=echo)
-               if cfg.tracking.enabled else NullTracker())
+    try:
+        tracker = (Tracker(cfg, prompts, source, resume_run_id=resume and run_id, echo=echo)
+                   if cfg.tracking.enabled else NullTracker())
+    except Exception as err:
+        if resume is None:
+            raise
+        raise ConfigError([("--resume", f"cannot reopen MLflow run {run_id} at {cfg.tracking_uri()} "
+                                        f"({describe_failure(err)}); check tracking.uri and tracking.experiment, "
+                                        "or set tracking.enabled: false to resume without MLflow")]) from None
     if resume is None:
         run_id = tracker.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         run_dir = CheckpointDir.of_run(output_dir, run_id)

@@ -218,3 +218,16 @@ def test_lineage_command_lists_what_made_a_checkpoint(tmp_path):
     assert out.returncode == 2 and "step 5 is not in checkpoint" in out.stderr
     out = subprocess.run(cli + ["nope", "--output-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "run-x" in out.stderr
+
+
+def test_resume_of_a_run_mlflow_does_not_know_is_refused_before_anything_starts(tmp_path):
+    from pipelines.checkpoint import dataset_digest
+    from pipelines.datasets import load_prompts
+    from pipelines.grpo import run_job
+
+    cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml", [f"output_dir={tmp_path}"])
+    prompts, _ = load_prompts(cfg.data)
+    CheckpointDir.of_run(tmp_path, "local-abc").write_run_file(
+        run_file_info(cfg, "local-abc", dataset_digest(prompts), 1.0))
+    with pytest.raises(ConfigError, match="cannot reopen MLflow run local-abc"):
+        run_job(cfg, resume="latest")
