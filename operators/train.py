@@ -91,7 +91,9 @@ class Train:
                 self.seen.add(uid)
             self.buffer[step].append(row)
         while len(self.buffer.get(self.next_step, ())) >= self.groups_per_step:
-            rows = self.buffer.pop(self.next_step)
+            # In schedule order, not arrival order: the step's sums (loss, gradient) then add up in the
+            # same order however the stream interleaved the calls, so a resumed run repeats the same floats.
+            rows = sorted(self.buffer.pop(self.next_step), key=lambda row: str(row.get("group_uid")))
             yield self._run_step(self.next_step, rows)
             self.next_step += 1
 

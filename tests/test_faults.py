@@ -149,8 +149,10 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
     assert expected.keys() == got.keys()
     start = load_file(str(Path(reference.model_path) / "model.safetensors"))
     assert any(not np.array_equal(start[name], expected[name]) for name in expected)  # it did learn something
+    # Within float tolerance: the two runs are separate processes; a 1e-5 bound is far below one
+    # update (lr 1e-3 per element) and would catch any step trained twice, skipped or reordered.
     for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
