@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines.checkpoint import Checkpoint, CheckpointError, find_run_dirs, verify
+from pipelines.checkpoint import Checkpoint, CheckpointDir, CheckpointError, find_run_dirs, verify
 
 
 class LineageError(Exception):
@@ -42,13 +42,10 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint:
-    steps = sorted((p for p in run_dir.glob("step_*") if p.is_dir()), reverse=True)
-    for path in steps:
-        try:
-            return open_checkpoint(path)
-        except LineageError:
-            continue
-    raise LineageError(f"{run_dir} has no complete checkpoint yet")
+    checkpoint = CheckpointDir(run_dir).latest_valid(echo=lambda _: None)
+    if checkpoint is None:
+        raise LineageError(f"{run_dir} has no complete checkpoint yet")
+    return checkpoint
 
 
 def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
