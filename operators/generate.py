@@ -13,6 +13,10 @@ with the newest weights the store has. Output adds `prompt_token_ids`, `response
 `time_generate`, `time_weight_sync` and the call's busy interval: `generator_id`,
 `generate_start`, `generate_end` (wall clock; weight pull included, admission wait
 excluded). All other columns pass through.
+
+`greedy=True` decodes one greedy response per prompt instead (evaluation); `sample(batch,
+greedy=...)` generates with the weights loaded now, and `load_policy(version, weights)` loads
+a given policy version: what an evaluator that is not gated on the store uses.
 """
 
 from __future__ import annotations
@@ -41,13 +45,18 @@ class Generate:
         max_staleness: int = 0,
         admission_timeout_s: float | None = None,
         engine_options: dict | None = None,
+        greedy: bool = False,
+        policy_version: int = 0,
     ):
+        """`policy_version`: the version of the weights in `model_path` (0 for the base model; a
+        checkpoint's step when evaluating it), recorded in every row and part of the sampling seed."""
         self.engine = make_engine(engine, model_path, **(engine_options or {}))
         self.params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self.greedy = greedy
         self.max_staleness = max_staleness
         self.admission_timeout_s = admission_timeout_s
         self.store = None
-        self.policy_version = 0  # the weights loaded from model_path
+        self.policy_version = policy_version  # the weights loaded from model_path
         self.weight_sync_seconds = 0.0  # pulled and loaded since the last batch left
         self.busy_since: float | None = None  # wall clock when this call's work began
         self.generator_id = f"{os.uname().nodename}:{os.getpid()}"
@@ -61,11 +70,18 @@ class Generate:
         # step are never held back while this call waits for a later step's policy.
         if self.store is None or "train_step" not in batch.columns:
             self._sync_weights(min_version=None)
-            yield self._generate(batch)
+            yield self.sample(batch, self.greedy)
             return
         for step, part in batch.groupby("train_step", sort=True):
             self._sync_weights(min_version=int(step) - self.max_staleness)
-            yield self._generate(part)
+            yield self.sample(part, self.greedy)
+
+    def load_policy(self, version: int, state_dict) -> None:
+        """Load the weights of policy `version` (the rows generated next record it)."""
+        start = time.perf_counter()
+        self.engine.load_weights(state_dict)
+        self.policy_version = version
+        self.weight_sync_seconds += time.perf_counter() - start
 
     def _sync_weights(self, min_version: int | None) -> None:
         """Wait for an admissible policy version, then pull the weights if ours are older."""
@@ -82,20 +98,24 @@ class Generate:
         if latest > self.policy_version:
             start = time.perf_counter()
             version, (weights_ref,) = ray.get(self.store.get_latest.remote())
-            self.engine.load_weights(ray.get(weights_ref))
-            self.policy_version = version
+            weights = ray.get(weights_ref)
             self.weight_sync_seconds += time.perf_counter() - start
+            self.load_policy(version, weights)
 
     def _call_seed(self, batch: pd.DataFrame) -> int:
         """Stable per-call seed: same rows and policy version -> same samples."""
         key = "|".join(map(str, batch.get("group_uid", batch["prompt"]))) + f"@{self.policy_version}"
         return (self.params.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**31)
 
-    def _generate(self, batch: pd.DataFrame) -> pd.DataFrame:
+    def sample(self, batch: pd.DataFrame, greedy: bool = False) -> pd.DataFrame:
+        """The batch with its responses, from the weights loaded now (no admission gate)."""
+        if self.store is None:  # nothing to wait for: the work starts now
+            self.busy_since = time.time()
         start = time.perf_counter()
         batch = batch.reset_index(drop=True).copy()
         prompt_ids = self.engine.encode([str(p) for p in batch["prompt"]])
-        params = SamplingParams(**{**self.params.__dict__, "seed": self._call_seed(batch)})
+        greedy_params = {"n": 1, "temperature": 0.0} if greedy else {}
+        params = SamplingParams(**{**self.params.__dict__, "seed": self._call_seed(batch), **greedy_params})
         groups = self.engine.generate(prompt_ids, params) if len(batch) else []
         batch["prompt_token_ids"] = prompt_ids
         batch["responses"] = [group.texts for group in groups]

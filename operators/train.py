@@ -49,11 +49,14 @@ class Train:
         prior_ledger: str | None = None,
         run_info: dict | None = None,
         max_nan_skips: int | None = None,
+        hf_export: str = "last",
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
         checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
         `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (weights and
-        tokenizer). `prior_ledger`: the ledger of the checkpoint the job resumed from."""
+        tokenizer), every one with `hf_export="every"`. `prior_ledger`: the ledger of the checkpoint the job
+        resumed from."""
+        self.hf_export = hf_export
         self.workers = list(workers)
         self.groups_per_step = groups_per_step
         self.end_step = first_step + total_steps
@@ -158,8 +161,9 @@ class Train:
         tmp = self.checkpoints.begin(steps_done)
         try:
             ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in self.workers])
-            if last:  # the final policy, loadable with from_pretrained / vLLM (rank 0 adds the tokenizer:
-                # it has transformers loaded already; importing it here would cost this actor seconds)
+            if last or self.hf_export == "every":  # the policy, loadable with from_pretrained / vLLM / streamrl
+                # eval (rank 0 adds the tokenizer: it has transformers loaded already; importing it here
+                # would cost this actor seconds)
                 ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in self.workers])
             ledger = pd.concat(self.ledger, ignore_index=True)
             state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger),

@@ -102,6 +102,11 @@ def _run(args, cfg) -> int:
         f"last 10 steps {last['success_rate'].mean():.3f}; "
         f"reward {first['reward_mean'].mean():.3f} -> {last['reward_mean'].mean():.3f}"
     )
+    held_out = result.eval_metrics
+    if "eval/success_rate" in held_out:
+        start, end = held_out.iloc[0], held_out.iloc[-1]
+        print(f"streamrl: held-out success (eval) step {int(start['step'])} {start['eval/success_rate']:.3f} -> "
+              f"step {int(end['step'])} {end['eval/success_rate']:.3f}")
     return 0
 
 

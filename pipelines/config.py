@@ -8,7 +8,7 @@ every problem with its field path and the fix, so a user fixes the file in one p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -16,7 +16,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 BUILTIN_MODEL_PREFIX = "builtin:"
 BUILTIN_DATASET_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-arith",)
-BUILTIN_DATASETS = ("arithmetic",)
+# builtin:arithmetic is every single-digit addition problem; -train and -heldout split them (80/20, a fixed
+# split): train on one, evaluate on the other (eval.data) to see what RL does to problems it never trained on.
+BUILTIN_DATASET_SPLITS = {"arithmetic": "all", "arithmetic-train": "train", "arithmetic-heldout": "heldout"}
+BUILTIN_DATASETS = tuple(BUILTIN_DATASET_SPLITS)
 DATASET_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
 
@@ -108,31 +111,55 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _dataset_readable(self) -> "DataConfig":
-        if self.path.startswith(BUILTIN_DATASET_PREFIX):
-            name = self.path[len(BUILTIN_DATASET_PREFIX):]
-            if name not in BUILTIN_DATASETS:
-                _raise_at([f"data.path: unknown builtin dataset {name!r}; use one of {list(BUILTIN_DATASETS)}"])
-            return self
-        file = Path(self.path).expanduser()
-        if file.suffix not in DATASET_SUFFIXES:
-            _raise_at([f"data.path: {self.path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"])
-        if not file.is_file():
-            _raise_at([f"data.path: dataset file {self.path!r} does not exist; give an existing file"])
-        from pipelines.datasets import DatasetError, read_columns
-
-        try:
-            columns = read_columns(file)
-        except DatasetError as err:  # names the file, what is wrong and the fix
-            _raise_at([f"data.path: {err}"])
-        except Exception as err:  # a corrupt file must be named, not crash later in an actor
-            _raise_at([f"data.path: cannot read {self.path!r} ({type(err).__name__}: {err}); check the file"])
-        _raise_at([
-            f"data.{field_name}: column {column!r} is not in {self.path!r}; its columns are {columns}"
-            for field_name in ("prompt_column", "id_column")
-            if (column := getattr(self, field_name)) is not None and column not in columns
-        ])
-        self.path = str(file.resolve())
+        problems, resolved = dataset_problems(self.path, self.prompt_column, self.id_column, self._field_prefix)
+        _raise_at(problems)
+        self.path = resolved
         return self
+
+    _field_prefix: ClassVar[str] = "data"  # where problems are reported: data.path, eval.data.path ...
+
+
+class EvalDataConfig(DataConfig):
+    path: str = Field(
+        description="Held-out prompts: a .parquet, .jsonl/.json or .csv file with the columns the reward "
+        "functions need, or 'builtin:arithmetic-heldout' (the tiny task's problems that "
+        "'builtin:arithmetic-train' never trains on).",
+    )
+    num_prompts: int = Field(256, gt=0, description="Most prompts the builtin dataset makes (the held-out "
+                             "split has 20 distinct problems and never repeats one).")
+    shuffle: bool = Field(False, description="Shuffle the prompts (with `seed`) before eval.max_prompts "
+                          "takes the first ones.")
+
+    _field_prefix: ClassVar[str] = "eval.data"
+
+
+def dataset_problems(path: str, prompt_column: str, id_column: str | None, where: str) -> tuple[list[str], str]:
+    """Problems ('where.field: message') that make a dataset unusable, found without reading all of it:
+    an unknown builtin, a missing or unreadable file, a missing prompt or id column. Also the path resolved."""
+    if path.startswith(BUILTIN_DATASET_PREFIX):
+        name = path[len(BUILTIN_DATASET_PREFIX):]
+        if name not in BUILTIN_DATASETS:
+            return [f"{where}.path: unknown builtin dataset {name!r}; use one of {list(BUILTIN_DATASETS)}"], path
+        return [], path
+    file = Path(path).expanduser()
+    if file.suffix not in DATASET_SUFFIXES:
+        return [f"{where}.path: {path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"], path
+    if not file.is_file():
+        return [f"{where}.path: dataset file {path!r} does not exist; give an existing file"], path
+    from pipelines.datasets import DatasetError, read_columns
+
+    try:
+        columns = read_columns(file)
+    except DatasetError as err:  # names the file, what is wrong and the fix
+        return [f"{where}.path: {err}"], path
+    except Exception as err:  # a corrupt file must be named, not crash later in an actor
+        return [f"{where}.path: cannot read {path!r} ({type(err).__name__}: {err}); check the file"], path
+    problems = [
+        f"{where}.{field_name}: column {column!r} is not in {path!r}; its columns are {columns}"
+        for field_name, column in (("prompt_column", prompt_column), ("id_column", id_column))
+        if column is not None and column not in columns
+    ]
+    return problems, str(file.resolve())
 
 
 class VLLMOptions(_Section):
@@ -320,6 +347,11 @@ class TrainConfig(_Section):
         2, ge=0, description="Keep the newest this many checkpoints of a run on disk (0: all); older ones are "
         "deleted once a newer one is complete."
     )
+    checkpoint_hf_export: Literal["every", "last"] = Field(
+        "every", description="Which checkpoints also hold the policy as a Hugging Face folder (config, weights, "
+        "tokenizer) that from_pretrained, vLLM and `streamrl eval` load: every one, or only the last (saves the "
+        "disk of one copy of the weights per checkpoint on large models)."
+    )
     max_restarts: int = Field(
         1, ge=0, description="When an actor the job cannot do without dies (a trainer rank, the Train "
         "operator), restart the trainer group and the DAG from the last checkpoint up to this many times, "
@@ -353,6 +385,40 @@ class TrackingConfig(_Section):
         "(MLFLOW_HTTP_REQUEST_TIMEOUT, unless that is set): short, so an outage is noticed quickly and "
         "buffered; raise it if large artifacts go through a proxying server to slow storage."
     )
+
+
+class EvalConfig(_Section):
+    data: EvalDataConfig = Field(description="The held-out prompts (a dataset like `data`).")
+    every: int = Field(
+        10, ge=0, description="Evaluate the policy every this many steps (policy versions every, 2*every, ...) and "
+        "after the last step; 0: only after the last step."
+    )
+    at_start: bool = Field(True, description="Also evaluate the starting policy (version 0) before it is trained.")
+    n: int = Field(8, ge=0, description="Sampled responses per prompt (pass@k is reported for k = 1, 2, 4, ... <= n "
+                   "and k = n); 0: greedy only.")
+    greedy: bool = Field(True, description="Also decode one greedy (temperature 0) response per prompt.")
+    temperature: Optional[float] = Field(
+        None, gt=0, description="Sampling temperature of the n samples; default rollout.temperature."
+    )
+    max_new_tokens: Optional[int] = Field(None, ge=1, description="Default rollout.max_new_tokens.")
+    max_prompts: int = Field(256, ge=1, description="Evaluate at most this many prompts (the dataset's first).")
+    prompts_per_call: int = Field(16, ge=1, description="Prompts per generate call of the evaluator.")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs reserved for the evaluator actor.")
+    num_gpus: GpuCount = Field(0, description="GPUs reserved for the evaluator actor (its own engine).")
+    resources: CustomResources = Field(default_factory=dict, description="Custom Ray resources of the evaluator.")
+    log_samples: bool = Field(True, description="Log every evaluation's scored responses as a Parquet artifact "
+                              "(eval/step_NNNNNN.parquet).")
+
+    @model_validator(mode="after")
+    def _evaluates_something(self) -> "EvalConfig":
+        if self.n == 0 and not self.greedy:
+            _raise_at(["eval.n: n: 0 with greedy: false evaluates nothing; set n >= 1 or greedy: true"])
+        return self
+
+    def versions(self, steps: int) -> list[int]:
+        """The policy versions evaluated in a job of `steps` steps, in order."""
+        every = range(self.every, steps, self.every) if self.every else []
+        return ([0] if self.at_start else []) + list(every) + [steps]
 
 
 class NodeGroup(_Section):
@@ -389,6 +455,9 @@ class JobConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="The DeepSpeed trainer.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow lineage.")
     ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster.")
+    eval: Optional[EvalConfig] = Field(
+        None, description="Held-out evaluation during training, by a separate evaluator actor (unset: none)."
+    )
     output_dir: str = Field("runs", description="Folder for the MLflow database, rollouts and checkpoints.")
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from pipelines.config import BUILTIN_DATASET_PREFIX, ConfigError, DataConfig
+from pipelines.config import BUILTIN_DATASET_PREFIX, BUILTIN_DATASET_SPLITS, ConfigError, DataConfig
 
 if TYPE_CHECKING:
     from pipelines.config import JobConfig
@@ -135,7 +135,8 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
     if data.path.startswith(BUILTIN_DATASET_PREFIX):
         from pipelines.tiny import make_arithmetic_dataset
 
-        return make_arithmetic_dataset(data.num_prompts, seed=data.seed), data.path
+        split = BUILTIN_DATASET_SPLITS[data.path[len(BUILTIN_DATASET_PREFIX):]]
+        return make_arithmetic_dataset(data.num_prompts, seed=data.seed, split=split), data.path
     try:
         frame = _read_frame(Path(data.path))
     except DatasetError as err:

@@ -6,6 +6,7 @@
       -> Advantage  group-relative estimator
       -> Train      buffers a step's groups, steps the DeepSpeed group, publishes weights
       -> one row of metrics + rollouts per step -> MLflow, terminal
+    beside it (eval set): an evaluator actor scores held-out prompts with retained policy versions
 
 The only loop is the weight channel (train -> policy store -> generate).
 """
@@ -33,6 +34,7 @@ from operators.train import Train
 from pipelines.checkpoint import LEDGER, CheckpointDir, dataset_digest
 from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
+from pipelines.evaluation import InTrainingEval, load_eval_prompts
 from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
@@ -53,6 +55,7 @@ class JobResult:
     trainer_placement: list[dict] = field(default_factory=list)
     output_dir: Path = Path(".")
     resume_id: str | None = None  # what `--resume` takes: the MLflow run id, or a local id when untracked
+    eval_metrics: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per evaluated policy version
 
 
 def resolve_model_path(model: ModelConfig) -> str:
@@ -211,6 +214,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     prompts = checked_prompts(prompts, cfg, model_path, echo)
     schedule = schedule_groups(prompts, cfg)
     digest = dataset_digest(prompts)
+    held_out = load_eval_prompts(cfg, model_path, echo) if cfg.eval is not None else None
     checkpoint = None
     if resume is not None:
         run_id = resolve_run(output_dir, resume)
@@ -242,14 +246,17 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         echo(f"streamrl: resuming run {run_id} from {where}")
         tracker.set_tags({"resume.from_step": start})
     run_info = {"run_id": run_id, "dataset": source, "dataset_digest": digest, "model_path": model_path}
+    if held_out is not None:
+        tracker.log_dataset(held_out[0], held_out[1], "eval")
     rows, status, restarts, placement = [], "FAILED", 0, []
+    evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id)
     try:
         with ray_session(cfg):
             progress = Progress(cfg.train.steps, echo, first_step=start)
             while True:
                 try:
                     placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
-                                             progress)
+                                             progress, evaluation)
                     break
                 except Exception as err:
                     if not is_process_death(err) or restarts >= cfg.train.max_restarts:
@@ -284,7 +291,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     final = run_dir.latest_valid(echo, hashes=False)
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
     return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
-                     output_dir, resume_id=run_id)
+                     output_dir, resume_id=run_id, eval_metrics=evaluation.table())
 
 
 def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
@@ -304,12 +311,40 @@ def _resume_step(run_dir: CheckpointDir) -> int:
     return checkpoint.step if checkpoint else 0
 
 
-def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress) -> list[dict]:
-    """One try: a fresh policy store, trainer group and DAG, from `checkpoint` (None: step 0).
-    Returns where the trainer ranks ran."""
+class EvalPlan:
+    """Which policy versions the job evaluates on held-out prompts, and what was logged, across attempts."""
+
+    def __init__(self, cfg: JobConfig, prompts: pd.DataFrame | None, model_path: str, tracker, artifacts_dir: Path):
+        self.cfg, self.prompts, self.model_path, self.tracker = cfg, prompts, model_path, tracker
+        self.artifacts_dir = artifacts_dir
+        self.rows: list[dict] = []  # one per evaluated version, in order
+
+    def versions(self, first_step: int) -> list[int]:
+        """Versions still to evaluate in an attempt that starts at `first_step` (a restart redoes none)."""
+        if self.prompts is None:
+            return []
+        done = {row["step"] for row in self.rows}
+        return [v for v in self.cfg.eval.versions(self.cfg.train.steps) if v >= first_step and v not in done]
+
+    def start(self, store_name: str, first_step: int, echo: Callable[[str], None]) -> InTrainingEval | None:
+        versions = self.versions(first_step)
+        if not versions:
+            return None
+        return InTrainingEval(self.cfg, self.prompts, self.model_path, engine_options(self.cfg), store_name,
+                              versions, self.tracker, echo, self.rows, self.artifacts_dir)
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows)
+
+
+def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress,
+                 evaluation: EvalPlan) -> list[dict]:
+    """One try: a fresh policy store, trainer group and DAG (and evaluator), from `checkpoint`
+    (None: step 0). Returns where the trainer ranks ran."""
     first = checkpoint.step if checkpoint else 0
     store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
-    store = create_policy_store(store_name)
+    store = create_policy_store(store_name, retain=tuple(evaluation.versions(first)))
+    evaluator = evaluation.start(store_name, first, progress.echo)
     workers, placement = start_trainer_group(cfg, model_path, store_name)
     try:
         tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
@@ -320,7 +355,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
             checkpoint_root=str(run_dir.root), checkpoint_every=cfg.train.checkpoint_every,
             checkpoint_keep=cfg.train.checkpoint_keep, run_info=run_info,
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
-            max_nan_skips=cfg.train.max_nan_skips,
+            max_nan_skips=cfg.train.max_nan_skips, hf_export=cfg.train.checkpoint_hf_export,
         )
         ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
                               first_step=first, checkpoint_options=options)
@@ -337,10 +372,16 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                     progress.echo(f"streamrl: step {int(row['step']) + 1}: the loss was not finite; step skipped, "
                                   "weights unchanged (train.nan_policy: skip)")
                 rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
+                if evaluator is not None:
+                    evaluator.poll()
+            if evaluator is not None:  # before the trainer group stops: rank 0 owns the retained weights
+                evaluator.finish()
         except Exception as err:  # keep its text, drop its frames (see AttemptFailed)
             failure = AttemptFailed.from_exception(err)
             traceback.clear_frames(err.__traceback__)
     finally:
+        if evaluator is not None:
+            evaluator.close()
         stop_trainer_group(workers)
         ray.kill(store)
     if failure is not None:

@@ -95,6 +95,21 @@ def _dataset_source(source: str):
     return source
 
 
+def log_dataset_input(client, run, prompts: pd.DataFrame, source: str, context: str) -> str:
+    """Log `prompts` as a dataset input of `run` (name, digest, source) unless the run has it; its digest."""
+    import mlflow
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    dataset = mlflow.data.from_pandas(prompts, source=_dataset_source(source), name=Path(source).name or source)
+    if not any(item.dataset.digest == dataset.digest for item in run.inputs.dataset_inputs):
+        # _to_mlflow_entity is private, but MlflowClient.log_inputs takes only the entity form.
+        client.log_inputs(run.info.run_id, datasets=[
+            DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        ])
+    return dataset.digest
+
+
 def _short_error(err: BaseException) -> str:
     """One line for the terminal: 'Connection refused' rather than three nested exception reprs.
     Never contains parentheses, so the line that quotes it stays easy to parse."""
@@ -188,10 +203,10 @@ class Tracker:
         echo: Callable[[str], None] = print,
     ):
         import mlflow
-        from mlflow.entities import DatasetInput, InputTag, Param
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
         from mlflow.tracking.context.registry import resolve_tags
-        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_RUN_NAME
+        from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
         self.mlflow = mlflow
         self.echo = echo
@@ -255,12 +270,7 @@ class Tracker:
         for start in range(0, len(items), BATCH_LIMIT):
             client.log_batch(run_id, params=items[start:start + BATCH_LIMIT])
         self._log_tags_now(tags)
-        dataset = mlflow.data.from_pandas(prompts, source=_dataset_source(source), name=Path(source).name or source)
-        self.dataset_digest = dataset.digest
-        if not any(item.dataset.digest == dataset.digest for item in run.inputs.dataset_inputs):
-            client.log_inputs(run_id, datasets=[
-                DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training")])
-            ])
+        self.dataset_digest = self.log_dataset(prompts, source, "training")
 
         # From here on, every write goes through the spool and the writer thread.
         self.spool = Spool(self.output_dir / SPOOL_FOLDER, run_id)
@@ -277,6 +287,10 @@ class Tracker:
                       f"left undelivered in {self.spool_path}")
         self._writer = threading.Thread(target=self._write_loop, name=f"mlflow-writer-{run_id[:8]}", daemon=True)
         self._writer.start()
+
+    def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> str:
+        """Record a dataset as an input of the run ("training", "eval"), once per digest; its digest."""
+        return log_dataset_input(self.client, self.run, prompts, source, context)
 
     @property
     def run_url(self) -> str:
@@ -476,6 +490,8 @@ class NullTracker:
     def __init__(self, *args, resume_run_id: str | None = None, echo: Callable[[str], None] = print, **kwargs): ...
 
     def log_step(self, row: dict) -> None: ...
+
+    def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> None: ...
 
     def log_artifact(self, file: Path | str, artifact_path: str | None = None) -> None: ...
 

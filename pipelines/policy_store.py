@@ -3,7 +3,8 @@
 Train publishes after every optimizer step; generators ask for the version before each
 batch (cheap) and pull weights only when theirs is older. Weights travel as one object
 in the object store (a dict of numpy arrays: zero-copy gets); the store keeps only the
-latest reference so old versions are freed.
+latest reference so old versions are freed, except versions named in `retain` (those an
+evaluator will read, see pipelines/evaluation.py): they stay until released.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import ray
 
 @ray.remote(num_cpus=0)
 class PolicyStore:
-    def __init__(self, initial_version: int = 0):
+    def __init__(self, initial_version: int = 0, retain: tuple[int, ...] = ()):
         # Version `initial_version` is the weights every generator loads from the model folder,
         # so it needs no reference here; only later versions carry weights.
         self.version = initial_version
         self.weights_ref = None
         self.changed = asyncio.Condition()
         self.publish_times: list[float] = []
+        self.retain = set(retain)
+        self.retained: dict[int, object] = {}  # version -> weights ref, kept for a reader
 
     async def publish(self, version: int, weights_ref_box: list) -> None:
         """`weights_ref_box` is `[ray.put(state_dict)]`: boxed so Ray passes the reference."""
@@ -29,6 +32,8 @@ class PolicyStore:
             if version <= self.version:
                 raise ValueError(f"version {version} is not newer than the stored {self.version}")
             self.version, self.weights_ref = version, weights_ref_box[0]
+            if version in self.retain:
+                self.retained[version] = self.weights_ref
             self.changed.notify_all()
 
     async def get_version(self) -> int:
@@ -43,7 +48,24 @@ class PolicyStore:
     async def get_latest(self) -> tuple[int, list]:
         return self.version, [self.weights_ref]
 
+    async def get_weights_of(self, version: int, timeout_s: float | None = None) -> list:
+        """Wait until `version` is published; its boxed weights ref ([None]: the model folder's own
+        weights, version `initial_version` before anything was published). Raises KeyError when
+        that version was replaced and not retained."""
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: self.version >= version), timeout_s)
+            if version in self.retained:
+                return [self.retained[version]]
+            if version == self.version:
+                return [self.weights_ref]
+        raise KeyError(f"policy version {version} was replaced by {self.version} and not retained")
 
-def create_policy_store(name: str, initial_version: int = 0):
+    async def release(self, version: int) -> None:
+        """Drop a retained version (its reader has it)."""
+        self.retain.discard(version)
+        self.retained.pop(version, None)
+
+
+def create_policy_store(name: str, initial_version: int = 0, retain: tuple[int, ...] = ()):
     """Start the store as a named actor (so operators find it by name) and return its handle."""
-    return PolicyStore.options(name=name).remote(initial_version)
+    return PolicyStore.options(name=name).remote(initial_version, tuple(retain))

@@ -62,6 +62,8 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
         ),
         "reward": Demand("reward", cfg.reward.num_actors, _actor(cfg.reward.num_cpus, 0, {})),
         "helpers": Demand("helpers", 1, _actor(DAG_HELPER_CPUS, 0, {})),
+        **({"eval": Demand("eval", 1, _actor(cfg.eval.num_cpus, cfg.eval.num_gpus, cfg.eval.resources))}
+           if cfg.eval is not None else {}),
     }
 
 

@@ -3,7 +3,8 @@
 * ``build_char_tokenizer``: a character-level ``PreTrainedTokenizerFast``
   (``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``; bos prepended, no eos; left padding;
   decode joins characters without spaces).
-* ``make_arithmetic_dataset``: deterministic ``"a+b="`` -> ``"c"`` prompts.
+* ``make_arithmetic_dataset``: deterministic ``"a+b="`` -> ``"c"`` prompts, from all problems
+  or from disjoint "train" / "heldout" splits (``split_problems``).
 * ``arithmetic_exact``: TRL-style reward function (1.0 / 0.0).
 * ``build_tiny_model``: a small ``LlamaForCausalLM`` with a short, deterministic,
   supervised warm-up (correct targets, then *noisy* targets for the output head only),
@@ -128,24 +129,51 @@ def _all_problems(max_operand: int) -> list[tuple[str, str]]:
     ]
 
 
-def make_arithmetic_dataset(num_prompts: int, seed: int = 0, max_operand: int = 9) -> pd.DataFrame:
-    """``num_prompts`` addition problems ``"a+b="`` (0 <= a, b <= max_operand).
+# The held-out split: a fixed share of the problems, chosen by a seed of its own so that it does not move
+# with data.seed. RL never trains on them (the "train" split excludes them); the warm-up that builds the
+# tiny model saw every problem, the way a pretrained model has seen arithmetic.
+SPLITS = ("all", "train", "heldout")
+HELDOUT_FRACTION = 0.2
+HELDOUT_SEED = 20261201
+
+
+def split_problems(max_operand: int, split: str) -> list[tuple[str, str]]:
+    """The problems of one split: "all", "train" (never held out) or "heldout" (disjoint from "train")."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {list(SPLITS)}")
+    problems = _all_problems(max_operand)
+    if split == "all":
+        return problems
+    order = np.random.default_rng(HELDOUT_SEED).permutation(len(problems))
+    held = max(1, round(HELDOUT_FRACTION * len(problems)))
+    chosen = sorted(order[:held]) if split == "heldout" else sorted(order[held:])
+    return [problems[i] for i in chosen]
+
+
+def make_arithmetic_dataset(
+    num_prompts: int, seed: int = 0, max_operand: int = 9, split: str = "all"
+) -> pd.DataFrame:
+    """``num_prompts`` addition problems ``"a+b="`` (0 <= a, b <= max_operand) from ``split``.
 
     Deterministic for ``seed``.  Distinct problems while there are enough of them
-    (a seeded permutation); beyond that, the rest is drawn with replacement.
-    ``prompt_id`` is the row position, e.g. ``"arith-00017"``.
+    (a seeded permutation); beyond that, the rest is drawn with replacement, except from the
+    "heldout" split, which never repeats a problem (at most its size is returned).
+    ``prompt_id`` is the row position, e.g. ``"arith-00017"`` (``"arith-heldout-00003"``).
     """
     if num_prompts < 0:
         raise ValueError("num_prompts must be >= 0")
-    problems = _all_problems(max_operand)
+    problems = split_problems(max_operand, split)
+    if split == "heldout":
+        num_prompts = min(num_prompts, len(problems))
     rng = np.random.default_rng(seed)
     n_distinct = min(num_prompts, len(problems))
     idx = list(rng.permutation(len(problems))[:n_distinct])
     if num_prompts > n_distinct:
         idx += list(rng.integers(0, len(problems), size=num_prompts - n_distinct))
+    prefix = "arith-heldout" if split == "heldout" else "arith"
     return pd.DataFrame(
         {
-            "prompt_id": [f"arith-{i:05d}" for i in range(num_prompts)],
+            "prompt_id": [f"{prefix}-{i:05d}" for i in range(num_prompts)],
             "prompt": [problems[j][0] for j in idx],
             "answer": [problems[j][1] for j in idx],
         }

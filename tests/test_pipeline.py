@@ -72,8 +72,11 @@ def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
     assert run.data.params["train.max_staleness"] == "1"
     assert run.data.params["rollout.n"] == str(N)
     assert run.data.tags["version.ray"] == "2.60.0" and run.data.tags["code_version"]
-    (dataset_input,) = run.inputs.dataset_inputs
-    assert dataset_input.dataset.digest and "arithmetic" in dataset_input.dataset.name
+    inputs = {tag.value: item.dataset for item in run.inputs.dataset_inputs for tag in item.tags
+              if tag.key == "mlflow.data.context"}
+    assert sorted(inputs) == ["eval", "training"]  # the prompts, and the held-out prompts of eval.data
+    assert inputs["training"].digest and inputs["training"].name == "arithmetic-train"
+    assert inputs["eval"].name == "arithmetic-heldout" and inputs["eval"].digest != inputs["training"].digest
     client = mlflow.tracking.MlflowClient()
     for metric in ("reward_mean", "success_rate", "policy_loss", "clip_fraction", "entropy", "staleness_max",
                    "tokens_per_s", "time_generate", "time_reward", "time_train", "trainer_idle_fraction"):

@@ -10,6 +10,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """temperature 0 decodes greedily (log-probs are then of the untempered distribution)."""
+
     n: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0

@@ -33,13 +33,13 @@ class HFEngine:
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[GroupSample]:
         padded = self.tokenizer.pad({"input_ids": prompt_token_ids}, padding=True, return_tensors="pt")
         torch.manual_seed(params.seed)  # HF generate samples from the global generator
+        greedy = params.temperature == 0  # vLLM's convention: temperature 0 decodes greedily
+        sampling = {} if greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=0)
         out = self.model.generate(
             input_ids=padded["input_ids"],
             attention_mask=padded["attention_mask"],
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
+            do_sample=not greedy,
+            **sampling,
             max_new_tokens=params.max_new_tokens,
             num_return_sequences=params.n,
             eos_token_id=self.eos_id,
@@ -48,7 +48,7 @@ class HFEngine:
             output_logits=True,
         )
         new_tokens = out.sequences[:, padded["input_ids"].shape[1]:]  # [B*n, T]
-        logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [B*n, T, V]
+        logits = torch.stack(out.logits, dim=1).float() / (params.temperature or 1.0)  # [B*n, T, V]
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B*n, T]
         groups = []
         for prompt_index in range(len(prompt_token_ids)):
