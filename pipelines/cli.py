@@ -4,6 +4,7 @@
     streamrl validate CONFIG [--set ...]
     streamrl submit CONFIG --address http://HEAD:8265 [--set ...]   (to a Ray cluster)
     streamrl lineage RUN_ID [--step N] [--output-dir DIR] | --checkpoint PATH   [--json]
+    streamrl eval CHECKPOINT | RUN_ID [--step N] [--data FILE] [--reward NAME ...] [--set ...]
 
 Exit codes: 0 done, 1 the job failed (the command that resumes it is printed), 2 the config
 or input is invalid or the cluster cannot take the job (nothing was started), 130 interrupted.
@@ -43,6 +44,22 @@ def _parser() -> argparse.ArgumentParser:
     lineage.add_argument("--checkpoint", help="a checkpoint folder (.../checkpoints/RUN_ID/step_NNNNNN)")
     lineage.add_argument("--output-dir", help="the job's output_dir (default: searched under ./runs)")
     lineage.add_argument("--json", action="store_true", help="print JSON")
+    evaluate = commands.add_parser(
+        "eval", help="score a checkpoint on held-out prompts (a Ray Data batch job, logged in MLflow under its run)"
+    )
+    evaluate.add_argument("target", help="a checkpoint folder (.../checkpoints/RUN_ID/step_NNNNNN), a run folder, "
+                          "or a run id (its newest checkpoint)")
+    evaluate.add_argument("--step", type=int, help="the run's checkpoint of this step instead of its newest")
+    evaluate.add_argument("--data", help="held-out prompts: .parquet/.jsonl/.csv with a prompt column, or "
+                          "builtin:arithmetic-heldout (default: the run's eval.data)")
+    evaluate.add_argument("--reward", dest="rewards", action="append", metavar="NAME",
+                          help="reward function instead of the run's (builtin name or module:function; repeatable)")
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a field of the run's config, e.g. --set eval.n=16 (repeatable)")
+    evaluate.add_argument("--output-dir", help="the job's output_dir, to find a run id (default: searched under ./runs)")
+    evaluate.add_argument("--output", help="Parquet file for the scored responses "
+                          "(default: <output_dir>/eval/RUN_ID/checkpoint_step_NNNNNN.parquet)")
+    evaluate.add_argument("--json", action="store_true", help="print the result as JSON")
     submit = commands.choices["submit"]
     submit.add_argument("--address", required=True, help="the Ray job server (head's dashboard), e.g. http://127.0.0.1:8265")
     submit.add_argument("--working-dir", default=".", help="folder uploaded as the job's code (default: here)")
@@ -77,6 +94,24 @@ def _lineage(args) -> int:
     except LineageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    return 0
+
+
+def _eval(args) -> int:
+    import json
+
+    from pipelines.eval_job import EvalError, eval_command
+
+    echo = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    try:
+        summary = eval_command(args, echo)
+    except (EvalError, ConfigError) as err:  # nothing was started
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(summary, indent=1))
     return 0
 
 
@@ -116,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return _submit(args)
     if args.command == "lineage":
         return _lineage(args)
+    if args.command == "eval":
+        return _eval(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

@@ -557,6 +557,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError([("(file)", f"not valid YAML: {err}")], source)
         if not isinstance(tree, dict):
             raise ConfigError([("(top level)", "expected a mapping of sections (model:, data:, ...)")], source)
+    return config_from_tree(tree, overrides, source)
+
+
+def config_from_tree(tree: dict, overrides: list[str] | None = None, source: str = "config") -> JobConfig:
+    """Apply `--set` overrides to a config tree (a parsed YAML mapping) and validate it. Raises ConfigError."""
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import traceback
 import time
@@ -167,6 +168,8 @@ def init_ray(
     """Join the cluster at `address`, or the one a submitted job runs in (Ray sets RAY_ADDRESS
     for job drivers); otherwise start a local one, its dashboard (if any) on `dashboard_host`."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster bound to loopback
+    level = os.environ.get("STREAMRL_RAY_LOG_LEVEL", "warning")
+    logging.getLogger("ray.data").setLevel(level.upper())  # Ray Data logs each dataset's progress at INFO
     local_only = {}
     if address is None and not os.environ.get("RAY_ADDRESS"):
         local_only = dict(
@@ -175,7 +178,7 @@ def init_ray(
         )
     ray.init(
         address=address,
-        logging_level=os.environ.get("STREAMRL_RAY_LOG_LEVEL", "warning"),
+        logging_level=level,
         runtime_env={"env_vars": WORKER_ENV},
         **local_only,
     )

@@ -75,8 +75,8 @@ def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
     inputs = {tag.value: item.dataset for item in run.inputs.dataset_inputs for tag in item.tags
               if tag.key == "mlflow.data.context"}
     assert sorted(inputs) == ["eval", "training"]  # the prompts, and the held-out prompts of eval.data
-    assert inputs["training"].digest and inputs["training"].name == "arithmetic-train"
-    assert inputs["eval"].name == "arithmetic-heldout" and inputs["eval"].digest != inputs["training"].digest
+    assert inputs["training"].digest and inputs["training"].name == "builtin:arithmetic-train"
+    assert inputs["eval"].name == "builtin:arithmetic-heldout" and inputs["eval"].digest != inputs["training"].digest
     client = mlflow.tracking.MlflowClient()
     for metric in ("reward_mean", "success_rate", "policy_loss", "clip_fraction", "entropy", "staleness_max",
                    "tokens_per_s", "time_generate", "time_reward", "time_train", "trainer_idle_fraction"):
