@@ -149,11 +149,11 @@ class Evaluator:
     def evaluate(self, version: int) -> dict:
         import ray
 
-        start = time.perf_counter()
         if version != self.generate.policy_version:
-            (weights_ref,) = ray.get(self.store.get_weights_of.remote(version))
+            (weights_ref,) = ray.get(self.store.get_weights_of.remote(version))  # waits until it is published
             self.generate.load_policy(version, ray.get(weights_ref))
             self.store.release.remote(version)
+        start = time.perf_counter()  # the evaluation's own cost, not the wait for training to get there
         parts = [
             self.reward(self.generate.sample(frame, greedy=mode == "greedy")).assign(mode=mode)
             for mode in self.settings.modes for frame in self.frames

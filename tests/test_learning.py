@@ -8,7 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mlflow.tracking import MlflowClient
+
+from pipelines.cli import main
 from pipelines.config import load_config
+from pipelines.eval_job import eval_config, evaluate_checkpoint, resolve_checkpoint
 from pipelines.grpo import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +33,40 @@ def test_tiny_grpo_learns_and_changes_every_parameter(ray_cluster, tmp_path):
     assert before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that training never changed: {unchanged}"
+    check_held_out_evaluation(cfg, result)
+
+
+def check_held_out_evaluation(cfg, result) -> None:
+    """Held-out problems (never trained on) are evaluated at steps 0, 10, ..., 60, logged in MLflow at
+    those steps, and `streamrl eval` on a checkpoint reproduces the figure logged for its step."""
+    versions = cfg.eval.versions(cfg.train.steps)
+    held = result.eval_metrics.set_index("step")
+    assert list(held.index) == versions
+    assert (held["eval/policy_version"] == held.index).all()
+    start, end = held.loc[0, "eval/success_rate"], held.loc[cfg.train.steps, "eval/success_rate"]
+    assert end - start >= 0.3, f"held-out success {start:.3f} -> {end:.3f}"
+    client = MlflowClient(cfg.tracking_uri())
+    for metric in ("eval/success_rate", "eval/pass_at_8", "eval/greedy_success_rate", "eval/policy_version"):
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, metric)) == versions, metric
+    assert {a.path for a in client.list_artifacts(result.run_id, "eval")} == {
+        f"eval/step_{v:06d}.parquet" for v in versions}
+
+    # From Python, on the final checkpoint: the same prompts, n, calls and seeds as in training.
+    checkpoint = resolve_checkpoint(str(result.checkpoint))
+    final = evaluate_checkpoint(eval_config(checkpoint), checkpoint, echo=lambda _: None).metrics
+    for metric in ("eval/success_rate", "eval/pass_at_8", "eval/greedy_success_rate"):
+        assert abs(final[metric] - held.loc[cfg.train.steps, metric]) <= 0.1, (metric, final[metric], held)
+    # From the command line, a run's intermediate checkpoint (checkpoint_keep: 2 kept 40 and 60), logged as a
+    # run nested under the training run.
+    assert main(["eval", result.run_id, "--output-dir", str(result.output_dir), "--step", "40"]) == 0
+    nested = client.search_runs([client.get_run(result.run_id).info.experiment_id],
+                                f"tags.mlflow.parentRunId = '{result.run_id}'", order_by=["attributes.start_time"])
+    assert [r.data.tags["streamrl.eval.checkpoint_step"] for r in nested] == ["60", "40"]  # Python, then the CLI
+    run = nested[-1]
+    (logged,) = client.get_metric_history(run.info.run_id, "eval/success_rate")
+    assert logged.step == 40 and abs(logged.value - held.loc[40, "eval/success_rate"]) <= 0.1
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["builtin:arithmetic-heldout"]
+    assert client.get_run(result.run_id).data.tags["streamrl.eval.latest_run"] == run.info.run_id
 
 
 @pytest.mark.slow
