@@ -79,6 +79,8 @@ def main() -> None:
     wall = time.perf_counter() - start
     summary = next((l for l in reversed(lines) if "success rate first 10" in l), "")
     numbers = re.findall(r"(\d+\.\d+)", summary)
+    held_out = next((l for l in reversed(lines) if "held-out success (eval)" in l), "")
+    held_numbers = re.findall(r"(\d+\.\d+)", held_out)
     result = {
         "command": " ".join(command),
         "exit_code": code,
@@ -88,6 +90,8 @@ def main() -> None:
         "peak_processes": peak["processes"],
         "success_first10": float(numbers[0]) if numbers else None,
         "success_last10": float(numbers[1]) if len(numbers) > 1 else None,
+        "heldout_success_start": float(held_numbers[0]) if held_numbers else None,  # eval at step 0
+        "heldout_success_end": float(held_numbers[1]) if len(held_numbers) > 1 else None,  # after the last step
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB",
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }

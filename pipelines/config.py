@@ -403,11 +403,19 @@ class EvalConfig(_Section):
     max_new_tokens: Optional[int] = Field(None, ge=1, description="Default rollout.max_new_tokens.")
     max_prompts: int = Field(256, ge=1, description="Evaluate at most this many prompts (the dataset's first).")
     prompts_per_call: int = Field(16, ge=1, description="Prompts per generate call of the evaluator.")
+    engine: Optional[Literal["hf", "vllm"]] = Field(
+        None, description="The evaluator's engine; default rollout.engine (with its rollout.vllm settings)."
+    )
     num_cpus: float = Field(0.25, gt=0, description="CPUs reserved for the evaluator actor.")
     num_gpus: GpuCount = Field(0, description="GPUs reserved for the evaluator actor (its own engine).")
     resources: CustomResources = Field(default_factory=dict, description="Custom Ray resources of the evaluator.")
     log_samples: bool = Field(True, description="Log every evaluation's scored responses as a Parquet artifact "
                               "(eval/step_NNNNNN.parquet).")
+
+    @field_validator("engine")
+    @classmethod
+    def _eval_engine_installed(cls, engine: str | None) -> str | None:
+        return engine if engine is None else RolloutConfig._engine_installed(engine)
 
     @model_validator(mode="after")
     def _evaluates_something(self) -> "EvalConfig":

@@ -56,7 +56,7 @@ class EvalSettings:
         return cls(
             n=ev.n, greedy=ev.greedy, temperature=ev.temperature or cfg.rollout.temperature,
             max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p,
-            seed=cfg.train.seed, prompts_per_call=ev.prompts_per_call, engine=cfg.rollout.engine,
+            seed=cfg.train.seed, prompts_per_call=ev.prompts_per_call, engine=ev.engine or cfg.rollout.engine,
             reward_functions=tuple((f.name, f.weight) for f in cfg.reward.functions), on_error=cfg.reward.on_error,
             timeout_s=cfg.reward.timeout_s, success_threshold=cfg.reward.success_threshold,
         )

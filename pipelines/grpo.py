@@ -85,10 +85,10 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
 
 
-def engine_options(cfg: JobConfig) -> dict:
-    """Constructor options of the configured rollout engine."""
+def engine_options(cfg: JobConfig, engine: str | None = None) -> dict:
+    """Constructor options of `engine` (default: the configured rollout engine)."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
-    if cfg.rollout.engine == "vllm":
+    if (engine or cfg.rollout.engine) == "vllm":
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
     return options
 
@@ -333,7 +333,8 @@ class EvalPlan:
         versions = self.versions(first_step)
         if not versions:
             return None
-        return InTrainingEval(self.cfg, self.prompts, self.model_path, engine_options(self.cfg), store_name,
+        options = engine_options(self.cfg, self.cfg.eval.engine)
+        return InTrainingEval(self.cfg, self.prompts, self.model_path, options, store_name,
                               versions, self.tracker, echo, self.rows, self.artifacts_dir)
 
     def table(self) -> pd.DataFrame:

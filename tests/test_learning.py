@@ -83,3 +83,8 @@ def test_tiny_grpo_learns_with_vllm_engine(ray_cluster, tmp_path):
     # Generation pulled new weights into the running engine: later groups carry later versions.
     assert result.metrics["time_weight_sync"].sum() > 0
     assert (result.metrics["staleness_max"] <= cfg.train.max_staleness).all()
+    # The evaluator ran its own vLLM engine, loading each evaluated version in place.
+    held = result.eval_metrics.set_index("step")
+    assert list(held.index) == cfg.eval.versions(cfg.train.steps)
+    assert held.loc[cfg.train.steps, "eval/success_rate"] > held.loc[0, "eval/success_rate"]
+    assert held["eval/greedy_success_rate"].notna().all()
