@@ -387,6 +387,27 @@ class TrackingConfig(_Section):
     )
 
 
+class ReferenceConfig(_Section):
+    model_path: Optional[str] = Field(
+        None, description="The frozen reference policy (a local save_pretrained folder or builtin:tiny-arith); "
+        "default: the policy the job starts from (model.path)."
+    )
+    num_actors: int = Field(1, ge=1, description="RefLogprob actors in the pool.")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per RefLogprob actor.")
+    num_gpus: GpuCount = Field(0, description="GPUs reserved per RefLogprob actor.")
+    resources: CustomResources = Field(default_factory=dict, description="Custom Ray resources per RefLogprob actor.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per RefLogprob actor.")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Score sequences in length-sorted chunks of at most this many padded tokens."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="The reference model's dtype.")
+
+    @field_validator("model_path")
+    @classmethod
+    def _reference_exists(cls, path: str | None) -> str | None:
+        return path if path is None else ModelConfig._model_exists(path)
+
+
 class EvalConfig(_Section):
     data: EvalDataConfig = Field(description="The held-out prompts (a dataset like `data`).")
     every: int = Field(
@@ -465,6 +486,10 @@ class JobConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster.")
     eval: Optional[EvalConfig] = Field(
         None, description="Held-out evaluation during training, by a separate evaluator actor (unset: none)."
+    )
+    reference: Optional[ReferenceConfig] = Field(
+        None, description="A frozen reference policy: the RefLogprob stage adds its log-probs of every response "
+        "token (ref_logprobs) for KL to the reference (algorithm.kl_coef); unset: no reference stage."
     )
     output_dir: str = Field("runs", description="Folder for the MLflow database, rollouts and checkpoints.")
 

@@ -30,6 +30,7 @@ from ray.data import ActorPoolStrategy
 
 from operators.advantage import Advantage
 from operators.generate import Generate
+from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
 from operators.train import Train
 from pipelines.checkpoint import LEDGER, CheckpointDir, dataset_digest
@@ -128,6 +129,18 @@ def build_rl_dataset(
         compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
         batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
     )
+    if cfg.reference is not None:  # the design's ref_logprob stage: log-probs of a frozen reference policy
+        ref = cfg.reference
+        ds = ds.map_batches(
+            RefLogprob,
+            fn_constructor_kwargs=dict(
+                model_path=resolve_model_path(ModelConfig(path=ref.model_path)) if ref.model_path else model_path,
+                temperature=cfg.rollout.temperature, micro_batch_tokens=ref.micro_batch_tokens,
+                torch_threads=ref.torch_threads, dtype=ref.dtype, trust_remote_code=cfg.model.trust_remote_code,
+            ),
+            compute=ActorPoolStrategy(size=ref.num_actors), num_cpus=ref.num_cpus, batch_size=None,
+            batch_format="pandas", **remote_args.get("reference", {}),
+        )
     ds = ds.map_batches(
         Advantage, fn_constructor_kwargs=dict(estimator=cfg.algorithm.advantage),
         compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",

@@ -64,13 +64,18 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
         "helpers": Demand("helpers", 1, _actor(DAG_HELPER_CPUS, 0, {})),
         **({"eval": Demand("eval", 1, _actor(cfg.eval.num_cpus, cfg.eval.num_gpus, cfg.eval.resources))}
            if cfg.eval is not None else {}),
+        **({"reference": Demand("reference", cfg.reference.num_actors, _actor(
+            cfg.reference.num_cpus, cfg.reference.num_gpus, cfg.reference.resources))}
+           if cfg.reference is not None else {}),
     }
 
 
 def stage_options(cfg: JobConfig) -> dict[str, dict]:
     """Ray options beyond CPUs for build_rl_dataset's stages (GPUs, custom resources)."""
-    generate = {"num_gpus": cfg.rollout.num_gpus, "resources": cfg.rollout.resources}
-    return {"generate": {key: value for key, value in generate.items() if value}}
+    stages = {"generate": {"num_gpus": cfg.rollout.num_gpus, "resources": cfg.rollout.resources}}
+    if cfg.reference is not None:
+        stages["reference"] = {"num_gpus": cfg.reference.num_gpus, "resources": cfg.reference.resources}
+    return {stage: {key: value for key, value in options.items() if value} for stage, options in stages.items()}
 
 
 def totals(cfg: JobConfig) -> dict[str, float]:

@@ -1,0 +1,99 @@
+"""RefLogprob operator: log-probabilities of every response token under a frozen reference model.
+
+The design's `ref_logprob` stage, between Reward and Advantage. KL to the reference (in the loss
+with `algorithm.kl_coef`, or subtracted from the reward) needs, per response token, the
+reference policy's log-prob of the token that was sampled:
+
+    ds.map_batches(RefLogprob, fn_constructor_kwargs={"model_path": path, "temperature": 1.0},
+                   compute=ray.data.ActorPoolStrategy(size=1), batch_format="pandas")
+
+Input rows are prompt groups with `prompt_token_ids` and `response_token_ids` (one list per
+response, as Generate writes them); output adds `ref_logprobs` (one list of floats per
+response, aligned with its tokens). Log-probs are of softmax(logits / temperature), as the
+engines and the trainer compute them, so the three agree at temperature != 1. The model is
+loaded once per actor, on the GPU Ray gave the actor if any, and never trained; sequences
+are scored in length-sorted chunks of at most `micro_batch_tokens` padded tokens. All other
+columns pass through.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+
+
+class RefLogprob:
+    def __init__(
+        self, model_path: str, temperature: float = 1.0, micro_batch_tokens: int = 4096, torch_threads: int = 1,
+        dtype: str = "float32", trust_remote_code: bool = False,
+    ):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        torch.set_num_threads(torch_threads)
+        self.torch = torch
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CUDA_VISIBLE_DEVICES from Ray
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, local_files_only=True, trust_remote_code=trust_remote_code,
+            dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype],
+        ).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.temperature = float(temperature)
+        self.micro_batch_tokens = int(micro_batch_tokens)
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        start = time.perf_counter()
+        batch = batch.copy()
+        sequences = [(list(prompt), list(response)) for prompt, responses in
+                     zip(batch["prompt_token_ids"], batch["response_token_ids"]) for response in responses]
+        scores = self.score(sequences)
+        rows, index = [], 0
+        for responses in batch["response_token_ids"]:
+            rows.append(scores[index:index + len(responses)])
+            index += len(responses)
+        batch["ref_logprobs"] = rows
+        batch["time_ref_logprob"] = (time.perf_counter() - start) / max(len(batch), 1)
+        return batch
+
+    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per (prompt ids, response ids): the response tokens' log-probs, in order."""
+        out: list[list[float] | None] = [None] * len(sequences)
+        for chunk in _chunks([len(p) + len(r) for p, r in sequences], self.micro_batch_tokens):
+            for index, values in zip(chunk, self._score_chunk([sequences[i] for i in chunk])):
+                out[index] = values
+        return out
+
+    def _score_chunk(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        from operators.losses import token_logprobs
+
+        torch = self.torch
+        width = max(len(p) + len(r) for p, r in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)  # [B, L], right-padded
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, L]
+        for row, (prompt, response) in enumerate(sequences):
+            input_ids[row, :len(prompt) + len(response)] = torch.tensor(prompt + response)
+            attention[row, :len(prompt) + len(response)] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        with torch.no_grad():
+            logits = self.model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]  # [B, L-1, V]
+            logprobs = token_logprobs(logits.float() / self.temperature, input_ids[:, 1:]).cpu()  # [B, L-1]
+        # Position p predicts token p + 1: a response starting at len(prompt) is read from len(prompt) - 1.
+        return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
+
+
+def _chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices sorted by length, cut so that no chunk pads to more than `budget` tokens (a
+    sequence longer than the budget gets a chunk of its own)."""
+    chunks, current, width = [], [], 0
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        grown = max(width, lengths[index])
+        if current and grown * (len(current) + 1) > budget:
+            chunks.append(current)
+            current, grown = [], lengths[index]
+        current.append(index)
+        width = grown
+    return chunks + ([current] if current else [])
