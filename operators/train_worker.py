@@ -356,7 +356,7 @@ class TrainWorker:
         updates = settings.ppo_epochs * settings.mini_batches
         if updates > 1:
             samples["proximal_logprobs"] = self._proximal_logprobs(samples)
-        stats, mismatch, loss_sum, grad_norms, skipped, done = _StatSums(), [], 0.0, [], False, 0
+        stats, mismatch, losses, grad_norms, skipped = _StatSums(), [], [], [], False
         for epoch in range(settings.ppo_epochs):
             parts = self.mini_batches(count, epoch)
             counts = ([(global_tokens, global_sequences)] if settings.mini_batches == 1
@@ -366,28 +366,28 @@ class TrainWorker:
                                                              first_epoch=epoch == 0)
                 stats.merge(part_stats)
                 mismatch += part_mismatch
+                losses.append(loss.item())
                 if not self._finite_everywhere(loss):
                     skipped = True
                     if settings.nan_policy == "stop":
                         raise NonFiniteError(
-                            f"the loss of policy version {self.version + 1} is {loss.item()} on rank {self.rank} "
+                            f"the loss of policy version {self.version + 1} is {losses[-1]} on rank {self.rank} "
                             "(train.nan_policy: stop); no update was applied or published. Set "
                             "train.nan_policy: skip to skip such steps, or lower train.lr"
                         )
                     break  # this step's remaining updates are dropped; the ones already taken stay applied
-                loss_sum += loss.item()
                 grad_norms.append(self._optimizer_step(loss))
-                done += 1
             if skipped:
                 break
         self.version += 1  # a skipped step still consumes its data and advances the version counter
         publish_seconds = self._publish() if self.joins_publish else 0.0
         return {
             "nonfinite_skipped": int(skipped),
-            "policy_loss": loss_sum / max(done, 1),  # rank losses average to the global loss (see _aggregate)
+            # mean over the optimizer steps (non-finite when one was); rank losses average to the global loss
+            "policy_loss": float(np.mean(losses)),
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),  # the first update's, before clipping
             "grad_norm_last": grad_norms[-1] if grad_norms else float("nan"),
-            "optimizer_steps": done,
+            "optimizer_steps": len(grad_norms),
             "num_tokens": sum(len(r) for r in samples["response_token_ids"]),
             "micro_batches": len(self.micro_batches(samples)),
             "train_seconds": time.perf_counter() - start - publish_seconds,
