@@ -170,7 +170,7 @@ class Advantage:
         self.estimator = estimator
         self.eps = eps
         self._fn = ADVANTAGE_ESTIMATORS.get(estimator)  # KeyError for unknown names
-        self.shaping = dict(max_new_tokens=max_new_tokens, buffer=overlong_buffer, penalty=overlong_penalty)
+        self.shaping = {"max_new_tokens": max_new_tokens, "buffer": overlong_buffer, "penalty": overlong_penalty}
 
     def __call__(self, batch: "pandas.DataFrame") -> "pandas.DataFrame":
         import pandas as pd  # only the operator needs pandas; estimators stay numpy-only

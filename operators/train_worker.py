@@ -21,7 +21,7 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +61,7 @@ class _StatSums:
                 self.sums[key] = self.sums.get(key, 0.0) + float(value) * tokens
                 self.tokens[key] = self.tokens.get(key, 0.0) + tokens
 
-    def merge(self, other: "_StatSums") -> None:
+    def merge(self, other: _StatSums) -> None:
         for key, value in other.sums.items():
             if key.endswith("_max"):
                 self.sums[key] = max(self.sums.get(key, float("-inf")), value)
@@ -102,7 +102,7 @@ class TrainerSettings:
     zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job
     clip_ratio_c: float = 3.0  # decoupled_ppo's dual-clip bound for negative advantages
-    correction: CorrectionSettings = CorrectionSettings()  # TIS / MIS on pi_prox / pi_behave
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)  # TIS / MIS on pi_prox / pi_behave
     kl_coef: float = 0.0  # weight of the KL-to-reference term (needs per-sample ref_logprobs)
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
@@ -285,8 +285,17 @@ class TrainWorker:
 
     def _loss(self, part: dict, global_tokens: float, global_sequences: float, first_epoch: bool):
         """The summed loss of one mini-batch (micro-batches share one backward) and its statistics."""
-        from operators.correction import behavior_log_ratio, correction_factors, mismatch_sums
-        from operators.losses import KL_ESTIMATORS, POLICY_LOSSES, entropy_from_logits, kl_k3
+        from operators.correction import (
+            behavior_log_ratio,
+            correction_factors,
+            mismatch_sums,
+        )
+        from operators.losses import (
+            KL_ESTIMATORS,
+            POLICY_LOSSES,
+            entropy_from_logits,
+            kl_k3,
+        )
 
         torch, settings = self.torch, self.settings
         loss_fn = POLICY_LOSSES.get(settings.policy_loss)

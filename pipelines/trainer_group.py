@@ -73,13 +73,13 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
 
 def advantage_options(cfg: JobConfig) -> dict:
     """Constructor arguments of the Advantage operator (operators.advantage)."""
-    return dict(estimator=cfg.algorithm.advantage, max_new_tokens=cfg.rollout.max_new_tokens,
-                overlong_buffer=cfg.algorithm.overlong_buffer, overlong_penalty=cfg.algorithm.overlong_penalty)
+    return {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.rollout.max_new_tokens,
+            "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty}
 
 
 def train_options(cfg: JobConfig) -> dict:
     """The algorithm's constructor arguments of the Train operator (operators.train)."""
-    return dict(whiten_advantages=cfg.algorithm.advantage in STEP_WHITENED)
+    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED}
 
 
 def _reserve(cfg: JobConfig):

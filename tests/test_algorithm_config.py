@@ -73,7 +73,11 @@ def test_cli_refuses_with_exit_2(tmp_path):
 
 def test_trainer_and_operators_get_the_algorithm():
     from operators.correction import CorrectionSettings
-    from pipelines.trainer_group import advantage_options, train_options, trainer_settings
+    from pipelines.trainer_group import (
+        advantage_options,
+        train_options,
+        trainer_settings,
+    )
 
     cfg = load_config(TINY, [
         "algorithm.policy_loss=decoupled_ppo", "algorithm.tis=sequence", "algorithm.tis_cap=1.5",
