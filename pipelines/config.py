@@ -442,7 +442,9 @@ class TrainConfig(_Section):
     )
     nan_policy: Literal["skip", "stop"] = Field(
         "skip", description="A step whose loss is NaN or inf: 'skip' leaves the weights unchanged (counted in "
-        "the nonfinite_skipped metric), 'stop' fails the job. Non-finite weights are never published."
+        "the nonfinite_skipped metric; with several optimizer steps per train step, the ones before the "
+        "non-finite one stay applied and the rest are dropped), 'stop' fails the job. Non-finite weights are "
+        "never published."
     )
     max_nan_skips: int = Field(
         10, ge=0, description="With nan_policy: skip, fail the job after this many skipped steps in a run."
