@@ -1,8 +1,9 @@
-"""Outcome-reward advantage estimators (pure numpy) and a Ray-Data-style operator.
+"""Outcome-reward advantage estimators (pure numpy), reward shaping and a Ray-Data-style operator.
 
 Every estimator maps per-response scalar rewards of shape [G, n] (G prompt
 groups, n sampled responses per prompt) to one advantage per response, also
-[G, n] float64; the trainer broadcasts it over the response tokens later.
+[G, n] float64; the trainer broadcasts it over the response tokens later (a
+per-token estimator such as GAE may instead give a list per response token).
 Estimators are looked up by name through `ADVANTAGE_ESTIMATORS`.
 """
 
@@ -95,46 +96,97 @@ def rloo(rewards: np.ndarray, *, eps: float = 1e-6) -> np.ndarray:
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(rewards: np.ndarray, *, eps: float = 1e-6) -> np.ndarray:
-    """REINFORCE++ with group baseline (Hu 2025, "REINFORCE++").
+    """REINFORCE++ with group baseline (Hu 2025, "REINFORCE++"), its per-group part.
 
-        x_i   = r_i - mean_{group} r
-        A_i   = (x_i - mean_{batch} x) / (std_{batch} x + eps)
+        x_i   = r_i - mean_{group} r                       (here)
+        A_i   = (x_i - mean_{step} x) / (std_{step} x + eps)  (whiten_over_step, in Train)
 
-    The second step whitens over ALL G*n responses of the array passed in
-    (population std, ddof=0): "batch" means exactly the rows given in one
-    call, so results depend on how the caller batches prompt groups.
+    The whitening must see the whole train step (every group, every rank): done on one call's
+    rows it would make `rollout.groups_per_call` change the algorithm. So this estimator stops
+    at the group baseline and is listed in STEP_WHITENED; the Train operator whitens each step's
+    advantages before training on them. `eps` is accepted for a uniform signature.
     """
-    centered = _centered(_as_groups(rewards))  # [G, n]
-    return (centered - centered.mean()) / (centered.std() + eps)  # [G, n]
+    return _centered(_as_groups(rewards))  # [G, n]
+
+
+# Estimators whose advantages are finished by whiten_over_step over a whole train step.
+STEP_WHITENED = frozenset({"reinforce_pp_baseline"})
+
+
+def whiten_over_step(advantages: List[List], *, eps: float = 1e-6) -> List[List]:
+    """(x - mean) / (std + eps) over every value of one train step (population std, ddof=0).
+
+    `advantages` holds one list per group with one entry per response: a float, or a list of
+    floats (one per response token); every float counts once. Returns the same nesting, floats.
+    """
+    values = np.concatenate([np.atleast_1d(np.asarray(entry, dtype=np.float64))
+                             for group in advantages for entry in group])  # [N]
+    mean, std = values.mean(), values.std()
+
+    def whiten(entry):
+        scaled = (np.asarray(entry, dtype=np.float64) - mean) / (std + eps)
+        return scaled.tolist() if scaled.ndim else float(scaled)
+
+    return [[whiten(entry) for entry in group] for group in advantages]
+
+
+def overlong_shaping(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO soft overlong punishment (Yu et al. 2025), added to the reward; lengths [N] -> [N].
+
+        L_max = max_new_tokens, L_cache = buffer
+        shaping = 0                                          if |y| <= L_max - L_cache
+                = -penalty * (|y| - (L_max - L_cache)) / L_cache   if |y| >  L_max - L_cache
+
+    so it falls linearly from 0 to -penalty at |y| = L_max (the engine never generates more).
+    buffer 0 turns it off (zeros).
+    """
+    lengths = np.asarray(lengths, dtype=np.float64)  # [N]
+    if buffer <= 0:
+        return np.zeros_like(lengths)
+    over = np.clip(lengths - (max_new_tokens - buffer), 0.0, None)  # [N]
+    return -penalty * over / buffer  # [N]
 
 
 class Advantage:
     """Ray Data `map_batches` operator adding per-response advantages.
 
     Input: a pandas DataFrame, one row per prompt group, with a "rewards"
-    column whose cells are length-n sequences of floats. Output: the same
-    frame plus "advantages" (list of n python floats per row) and
-    "time_advantage" (seconds spent in this call / number of rows, so the
-    per-row value sums back to the call's cost).
+    column whose cells are length-n sequences of floats (and "response_lengths"
+    when overlong shaping is on). Output: the same frame plus "advantages" (list
+    of n python floats per row), "overlong_shaped" (how many of the row's
+    responses the overlong shaping changed) and "time_advantage" (seconds spent
+    in this call / number of rows, so the per-row value sums back to the call's cost).
+
+    With `overlong_buffer` > 0 the DAPO overlong shaping is added to the rewards
+    before the estimator sees them; the "rewards" column keeps the task reward.
 
     Rows with different n cannot share a [G, n] array, so rows are grouped by
-    n and each subset goes through the estimator separately; batch-whitening
-    estimators (reinforce_pp_baseline) therefore whiten within each subset.
+    n and each subset goes through the estimator separately (estimators are
+    per group; reinforce_pp_baseline's whitening happens later, per step).
     """
 
-    def __init__(self, estimator: str = "grpo", eps: float = 1e-6):
+    def __init__(self, estimator: str = "grpo", eps: float = 1e-6, max_new_tokens: int = 0,
+                 overlong_buffer: int = 0, overlong_penalty: float = 1.0):
         self.estimator = estimator
         self.eps = eps
         self._fn = ADVANTAGE_ESTIMATORS.get(estimator)  # KeyError for unknown names
+        self.shaping = {"max_new_tokens": max_new_tokens, "buffer": overlong_buffer, "penalty": overlong_penalty}
 
     def __call__(self, batch: "pandas.DataFrame") -> "pandas.DataFrame":
         import pandas as pd  # only the operator needs pandas; estimators stay numpy-only
 
         start = time.perf_counter()
         out = batch.copy()
-        advantages = self._row_advantages(list(batch["rewards"])) if len(batch) else []
+        rewards = [np.asarray(r, dtype=np.float64) for r in batch["rewards"]]
+        shaped = [0] * len(batch)
+        if self.shaping["buffer"] > 0:
+            shaping = [overlong_shaping(lengths, **self.shaping) for lengths in batch["response_lengths"]]
+            rewards = [r + s for r, s in zip(rewards, shaping)]
+            shaped = [int((s != 0).sum()) for s in shaping]
+        advantages = self._row_advantages(rewards) if len(batch) else []
         # dtype=object keeps each cell a list instead of pandas expanding to 2-D.
         out["advantages"] = pd.Series(advantages, index=out.index, dtype=object)
+        out["overlong_shaped"] = pd.Series(shaped, index=out.index, dtype=np.int64)
         per_row = (time.perf_counter() - start) / len(batch) if len(batch) else 0.0
         out["time_advantage"] = pd.Series(per_row, index=out.index, dtype=np.float64)
         return out

@@ -50,13 +50,16 @@ class Train:
         run_info: dict | None = None,
         max_nan_skips: int | None = None,
         hf_export: str = "last",
+        whiten_advantages: bool = False,
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
         checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
         `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (weights and
         tokenizer), every one with `hf_export="every"`. `prior_ledger`: the ledger of the checkpoint the job
-        resumed from."""
+        resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
+        (operators.advantage.whiten_over_step; REINFORCE++) before training on them."""
         self.hf_export = hf_export
+        self.whiten_advantages = whiten_advantages
         self.workers = list(workers)
         self.groups_per_step = groups_per_step
         self.end_step = first_step + total_steps
@@ -106,6 +109,12 @@ class Train:
         wall_start = time.time()
         start = time.perf_counter()
         waited = start - self.last_step_end  # trainer idle: waiting for this step's data
+        rows = [{**row, "staleness": step - int(row["policy_version"])} for row in rows]
+        if self.whiten_advantages:  # over every group of the step, so the ranks' shards share one mean and std
+            from operators.advantage import whiten_over_step
+
+            whitened = whiten_over_step([row["advantages"] for row in rows])
+            rows = [{**row, "advantages": advantages} for row, advantages in zip(rows, whitened)]
         samples = _explode(rows)
         shards = _shard(samples, len(self.workers))
         global_tokens = int(sum(len(tokens) for tokens in samples["response_token_ids"]))
@@ -126,8 +135,9 @@ class Train:
             **_timing_metrics(rows, waited, start, end),
             "trainer_idle_fraction": waited / max(waited + end - start, 1e-9),
             "trainer_idle_fraction_cum": self.idle_seconds / max(self.idle_seconds + self.busy_seconds, 1e-9),
-            "policy_version": step + 1,
+            "policy_version": step + 1,  # one version per train step, however many optimizer steps it took
             "duplicate_groups": self.duplicates,
+            "overlong_shaped": int(sum(row.get("overlong_shaped", 0) for row in rows)),
         }
         self.ledger.append(_ledger_rows(table, trained=not metrics.get("nonfinite_skipped")))
         if metrics.get("nonfinite_skipped"):
@@ -177,14 +187,26 @@ class Train:
 
 
 def _explode(rows: list[dict]) -> dict[str, list]:
-    """Groups -> samples: one entry per response, in group order."""
+    """Groups -> samples: one entry per response, in group order.
+
+    An advantage stays a float (one per response) or a list (one per response token, e.g. GAE).
+    `staleness` (train_step - policy_version; 0 for a row without it) goes with every sample, and
+    `ref_logprobs` (one per response token) when the rows carry that column (None for a row
+    without it: the trainer refuses a KL term then)."""
     samples = defaultdict(list)
+    with_ref = any(row.get("ref_logprobs") is not None for row in rows)
     for row in rows:
         for index, response in enumerate(row["response_token_ids"]):
             samples["prompt_token_ids"].append(list(row["prompt_token_ids"]))
             samples["response_token_ids"].append(list(response))
             samples["behavior_logprobs"].append(list(row["behavior_logprobs"][index]))
-            samples["advantages"].append(float(row["advantages"][index]))
+            advantage = row["advantages"][index]
+            samples["advantages"].append(float(advantage) if np.ndim(advantage) == 0 else
+                                         [float(value) for value in advantage])
+            samples["staleness"].append(int(row.get("staleness", 0)))
+            if with_ref:
+                refs = row.get("ref_logprobs")
+                samples["ref_logprobs"].append(None if refs is None else [float(v) for v in refs[index]])
     return dict(samples)
 
 
@@ -240,15 +262,33 @@ def _reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:
     }
 
 
+# Per-rank figures merged by hand in _rank_metrics; every other float is a token-weighted loss statistic.
+_RANK_SPECIAL = {"num_tokens", "policy_loss", "grad_norm", "grad_norm_last", "train_seconds", "publish_seconds",
+                 "nonfinite_skipped", "mismatch", "micro_batches", "optimizer_steps"}
+
+
 def _rank_metrics(results: list[dict]) -> dict:
-    """Token-weighted mean of per-rank figures; sums for counts and times."""
+    """Merge the ranks' figures: token-weighted means of the loss statistics (*_max: maximum,
+    *_min: minimum), the mismatch statistics from their sums (operators.correction.merge_mismatch),
+    the mean loss, rank 0's gradient norms (global after DeepSpeed's all-reduce), the slowest time."""
+    from operators.correction import merge_mismatch
+
     tokens = np.array([r["num_tokens"] for r in results], dtype=float)
     weights = tokens / max(tokens.sum(), 1.0)
-    averaged = ("entropy", "clip_fraction", "approx_kl", "ratio_mean")
-    merged = {key: float(sum(w * r[key] for w, r in zip(weights, results))) for key in averaged if key in results[0]}
+    merged = {}
+    for key in [key for key in results[0] if key not in _RANK_SPECIAL]:
+        values = [float(r[key]) for r in results]
+        if key.endswith("_max"):
+            merged[key] = max(values)
+        elif key.endswith("_min"):
+            merged[key] = min(values)
+        else:
+            merged[key] = float(sum(w * v for w, v in zip(weights, values)))
+    merged.update(merge_mismatch([part for r in results for part in r["mismatch"]]))
     merged["policy_loss"] = float(np.mean([r["policy_loss"] for r in results]))
-    merged["ratio_max"] = float(max(r.get("ratio_max", float("nan")) for r in results))
     merged["grad_norm"] = float(results[0]["grad_norm"])
+    merged["grad_norm_last"] = float(results[0]["grad_norm_last"])
+    merged["optimizer_steps"] = int(results[0]["optimizer_steps"])
     merged["time_train"] = float(max(r["train_seconds"] for r in results))
     merged["time_publish"] = float(results[0]["publish_seconds"])
     merged["nonfinite_skipped"] = int(max(r.get("nonfinite_skipped", 0) for r in results))

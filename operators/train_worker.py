@@ -1,9 +1,15 @@
 """One DeepSpeed rank of the trainer group, run as a Ray actor (see `pipelines.trainer_group`).
 
-Each optimizer step gets this rank's shard of the step's samples (the same number of
-samples on every rank), computes the policy loss on the behaviour log-probs, steps the
-DeepSpeed engine (ZeRO stage from config, gradient clipping) and, on rank 0, publishes
-the new weights to the policy store.
+Each train step gets this rank's shard of the step's samples (the same number of samples
+on every rank), computes the policy loss against the behaviour log-probs (with the
+configured mismatch correction, KL to a reference and entropy bonus), takes
+`ppo_epochs x mini_batches` optimizer steps of the DeepSpeed engine (ZeRO stage from
+config, gradient clipping) and, on rank 0, publishes the new weights to the policy store.
+
+A policy version counts train steps (batches), not optimizer steps: version v is the
+policy after v train steps, however many optimizer steps each took. So the staleness
+bound, the admission gate, checkpoints (policy version == steps done) and the ledger are
+the same for every ppo_epochs / mini_batches.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from operators.correction import CorrectionSettings
 
 
 def _as_float32(values) -> np.ndarray:
@@ -26,6 +34,46 @@ def _as_float32(values) -> np.ndarray:
     then shows up in the loss, which the NaN guard handles instead of the step crashing."""
     with np.errstate(over="ignore"):
         return np.asarray(values, dtype=np.float64).astype(np.float32)
+
+
+def _ratio_range(log_ratio, mask) -> tuple[float, float]:
+    """(min, max) of exp(log_ratio) over valid tokens; [B, T] inputs; (1, 1) when there are none."""
+    from operators.losses import bounded_exp
+
+    values = bounded_exp(log_ratio[mask.bool()].double())  # [N]
+    return (values.min().item(), values.max().item()) if values.numel() else (1.0, 1.0)
+
+
+class _StatSums:
+    """Token-weighted means of per-batch statistics; *_max keep the maximum, *_min the minimum."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.tokens: dict[str, float] = {}
+
+    def add(self, stats: dict, tokens: float) -> None:
+        for key, value in stats.items():
+            if key.endswith("_max"):
+                self.sums[key] = max(self.sums.get(key, float("-inf")), float(value))
+            elif key.endswith("_min"):
+                self.sums[key] = min(self.sums.get(key, float("inf")), float(value))
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value) * tokens
+                self.tokens[key] = self.tokens.get(key, 0.0) + tokens
+
+    def merge(self, other: _StatSums) -> None:
+        for key, value in other.sums.items():
+            if key.endswith("_max"):
+                self.sums[key] = max(self.sums.get(key, float("-inf")), value)
+            elif key.endswith("_min"):
+                self.sums[key] = min(self.sums.get(key, float("inf")), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value
+                self.tokens[key] = self.tokens.get(key, 0.0) + other.tokens[key]
+
+    def means(self) -> dict:
+        return {key: value if key not in self.tokens else value / max(self.tokens[key], 1.0)
+                for key, value in self.sums.items()}
 
 
 class NonFiniteError(RuntimeError):
@@ -53,6 +101,13 @@ class TrainerSettings:
     micro_batch_tokens: int = 0
     zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job
+    clip_ratio_c: float = 3.0  # decoupled_ppo's dual-clip bound for negative advantages
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)  # TIS / MIS on pi_prox / pi_behave
+    kl_coef: float = 0.0  # weight of the KL-to-reference term (needs per-sample ref_logprobs)
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    ppo_epochs: int = 1  # passes over the step's samples
+    mini_batches: int = 1  # optimizer steps per pass; each gets 1/mini_batches of the rank's samples
 
 
 class TrainWorker:
@@ -112,26 +167,37 @@ class TrainWorker:
 
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def _batch_tensors(self, samples: dict):
-        """Right-padded [B, L] inputs; response positions in shifted (next-token) coordinates."""
+    def _batch_tensors(self, samples: dict) -> dict:
+        """Right-padded [B, L] inputs; per-token values in shifted (next-token) coordinates [B, L-1].
+
+        An advantage is one float per response (broadcast over its tokens) or one per response
+        token (GAE). Optional per-token columns: proximal_logprobs, ref_logprobs."""
         torch = self.torch
         sequences = [list(p) + list(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
         width = max(len(seq) for seq in sequences)
         batch = len(sequences)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, L]
-        attention = torch.zeros((batch, width), dtype=torch.long)  # [B, L]
-        mask = torch.zeros((batch, width - 1))  # [B, L-1]: 1 where a response token is predicted
-        old_logprobs = torch.zeros((batch, width - 1))  # [B, L-1]
-        advantages = torch.zeros((batch, width - 1))  # [B, L-1]
+        per_token = ["behavior_logprobs", "advantages"] + [  # optional columns, when every sample has them
+            key for key in ("proximal_logprobs", "ref_logprobs")
+            if samples.get(key) is not None and all(value is not None for value in samples[key])]
+        out = {
+            "input_ids": torch.full((batch, width), self.pad_id, dtype=torch.long),  # [B, L]
+            "attention": torch.zeros((batch, width), dtype=torch.long),  # [B, L]
+            "mask": torch.zeros((batch, width - 1)),  # [B, L-1]: 1 where a response token is predicted
+            **{key: torch.zeros((batch, width - 1)) for key in per_token},  # [B, L-1] each
+            "staleness": torch.tensor([int(s) for s in samples.get("staleness", [0] * batch)]),  # [B]
+        }
         for row, seq in enumerate(sequences):
             prompt_len, response_len = len(samples["prompt_token_ids"][row]), len(samples["response_token_ids"][row])
-            input_ids[row, : len(seq)] = torch.tensor(seq)
-            attention[row, : len(seq)] = 1
+            out["input_ids"][row, : len(seq)] = torch.tensor(seq)
+            out["attention"][row, : len(seq)] = 1
             span = slice(prompt_len - 1, prompt_len - 1 + response_len)
-            mask[row, span] = 1.0
-            old_logprobs[row, span] = torch.from_numpy(_as_float32(samples["behavior_logprobs"][row]))
-            advantages[row, span] = float(_as_float32([samples["advantages"][row]])[0])
-        return input_ids, attention, mask, old_logprobs, advantages
+            out["mask"][row, span] = 1.0
+            for key in per_token:
+                values = _as_float32(samples[key][row])
+                if values.ndim and values.shape[0] != response_len:
+                    raise ValueError(f"sample {row}: {values.shape[0]} {key} for {response_len} response tokens")
+                out[key][row, span] = torch.from_numpy(values) if values.ndim else float(values)
+        return out
 
     def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int, share: float = 1.0):
         """Aggregate so that the DeepSpeed gradient average over ranks equals the global aggregate.
@@ -171,74 +237,183 @@ class TrainWorker:
             width = grown
         return batches + ([current] if current else [])
 
-    def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
-        """One optimizer step on this rank's shard; rank 0 then publishes version + 1.
+    def mini_batches(self, count: int, epoch: int) -> list[list[int]]:
+        """This rank's sample indices per optimizer step of one epoch: `mini_batches` equal parts
+        (config validation makes them divide `count`). One part keeps the arrival order; several are
+        cut from a permutation drawn from (seed, policy version, epoch), so every epoch mixes them
+        differently and a resumed run draws the same ones."""
+        parts = self.settings.mini_batches
+        order = np.arange(count)
+        if parts > 1:
+            order = np.random.default_rng([self.settings.seed, self.version, epoch]).permutation(count)
+        size = count // parts
+        return [order[k * size:(k + 1) * size].tolist() for k in range(parts)]
 
-        The shard may be split into micro-batches (`micro_batch_tokens`); their losses are
-        summed into one backward pass, so the step equals the unsplit one (up to float
-        reassociation) under every loss aggregation and ZeRO stage."""
-        from operators.losses import POLICY_LOSSES, entropy_from_logits, token_logprobs
+    def _subset(self, samples: dict, indices: list[int]) -> dict:
+        return {key: [values[i] for i in indices] if values is not None else None for key, values in samples.items()}
+
+    def _forward(self, batch: dict):
+        """Trainer logits [B, L-1, V] (at the sampling temperature) and log-probs [B, L-1] of the batch's tokens."""
+        from operators.losses import token_logprobs
+
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1].float()
+        logits = logits / self.settings.temperature  # [B, L-1, V]: the engine sampled at this temperature
+        return logits, token_logprobs(logits, batch["input_ids"][:, 1:])
+
+    def _proximal_logprobs(self, samples: dict) -> list[np.ndarray]:
+        """pi_prox: this rank's log-probs of every response token before the step's first update
+        (no grad), one array per sample; needed when the step takes several optimizer steps."""
+        proximal = [None] * len(samples["advantages"])
+        with self.torch.no_grad():
+            for indices in self.micro_batches(samples):
+                batch = self._batch_tensors(self._subset(samples, indices))
+                _, logprobs = self._forward(batch)
+                for row, index in enumerate(indices):
+                    proximal[index] = logprobs[row][batch["mask"][row].bool()].numpy().astype(np.float64)
+        return proximal
+
+    def _global_counts(self, parts: list[list[int]], samples: dict) -> list[tuple[float, float]]:
+        """(valid tokens, responses with tokens) of each mini-batch summed over ranks: the
+        normalisers of its loss, so that every optimizer step sees a global aggregate."""
+        torch = self.torch
+        counts = torch.tensor([[float(sum(len(samples["response_token_ids"][i]) for i in part)),
+                                float(sum(1 for i in part if len(samples["response_token_ids"][i])))]
+                               for part in parts], dtype=torch.float64)  # [M, 2]
+        if self.world_size > 1:
+            torch.distributed.all_reduce(counts)
+        return [(float(tokens), float(sequences)) for tokens, sequences in counts.tolist()]
+
+    def _loss(self, part: dict, global_tokens: float, global_sequences: float, first_epoch: bool):
+        """The summed loss of one mini-batch (micro-batches share one backward) and its statistics."""
+        from operators.correction import (
+            behavior_log_ratio,
+            correction_factors,
+            mismatch_sums,
+        )
+        from operators.losses import (
+            KL_ESTIMATORS,
+            POLICY_LOSSES,
+            entropy_from_logits,
+            kl_k3,
+        )
 
         torch, settings = self.torch, self.settings
-        start = time.perf_counter()
-        self.engine.train()
-        batches = self.micro_batches(samples)
-        if not batches:
-            raise ValueError("train_step got no samples")
-        valid_sequences = sum(1 for r in samples["response_token_ids"] if len(r))
-        loss, tokens, entropy_sum, merged = 0.0, 0, 0.0, {}
-        for indices in batches:
-            part = {key: [values[i] for i in indices] for key, values in samples.items()}
-            input_ids, attention, mask, old_logprobs, advantages = self._batch_tensors(part)
-            logits = self.engine(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()  # [B, L-1, V]
-            logits = logits / settings.temperature
-            logprobs = token_logprobs(logits, input_ids[:, 1:])  # [B, L-1]
-            per_token_loss, stats = POLICY_LOSSES.get(settings.policy_loss)(
-                logprobs, old_logprobs, advantages, mask,
-                clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
-            )
-            part_valid = sum(1 for r in part["response_token_ids"] if len(r))
+        loss_fn = POLICY_LOSSES.get(settings.policy_loss)
+        accepted = inspect.signature(loss_fn).parameters
+        valid_sequences = sum(1 for r in part["response_token_ids"] if len(r))
+        loss, stats, mismatch = 0.0, _StatSums(), []
+        for indices in self.micro_batches(part):
+            batch = self._batch_tensors(self._subset(part, indices))
+            mask = batch["mask"]  # [B, L-1]
+            logits, logprobs = self._forward(batch)  # [B, L-1, V], [B, L-1]
+            if settings.entropy_coef:
+                entropy = entropy_from_logits(logits)  # [B, L-1], in the loss
+            else:
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits.detach())  # [B, L-1], a metric only
+            # pi_prox: fixed before the first of several updates, else the current policy (no extra forward).
+            proximal = batch.get("proximal_logprobs", logprobs.detach())  # [B, L-1]
+            options = {"proximal_logprobs": proximal, "clip_eps_low": settings.clip_eps_low,
+                       "clip_eps_high": settings.clip_eps_high, "clip_ratio_c": settings.clip_ratio_c}
+            per_token_loss, loss_stats = loss_fn(logprobs, batch["behavior_logprobs"], batch["advantages"], mask,
+                                                 **{k: v for k, v in options.items() if k in accepted})
+            log_rho = behavior_log_ratio(proximal, batch["behavior_logprobs"], mask)  # [B, L-1]
+            factor, truncated, masked = correction_factors(log_rho, mask, settings.correction)  # [B, L-1] each
+            per_token_loss = per_token_loss * factor - settings.entropy_coef * entropy  # [B, L-1]
+            tokens = float(mask.sum().item())
+            if "ref_logprobs" in batch:
+                kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch["ref_logprobs"])  # [B, L-1]
+                per_token_loss = per_token_loss + settings.kl_coef * kl
+                loss_stats["kl_ref"] = float((kl_k3(logprobs.detach(), batch["ref_logprobs"]) * mask).sum()) / max(tokens, 1)
+            if first_epoch:  # pi_prox is fixed for the step: measure the mismatch once per sample
+                mismatch.append(mismatch_sums(log_rho, mask, batch["staleness"], truncated, masked))
+            loss_stats["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1)
+            # pi_theta / pi_behave, whatever the loss's own ratio is centred on
+            loss_stats["ratio_behavior_min"], loss_stats["ratio_behavior_max"] = _ratio_range(
+                logprobs.detach() - batch["behavior_logprobs"], mask)
+            part_valid = sum(1 for i in indices if len(part["response_token_ids"][i]))
             loss = loss + self._aggregate(per_token_loss, mask, global_tokens, global_sequences,
                                           share=part_valid / max(valid_sequences, 1))
-            part_tokens = int(mask.sum().item())
-            with torch.no_grad():
-                entropy_sum += float((entropy_from_logits(logits.detach()) * mask).sum().item())
-            for key, value in stats.items():  # token-weighted means; maxima stay maxima
-                if key.endswith("_max"):
-                    merged[key] = max(merged.get(key, float("-inf")), float(value))
-                else:
-                    merged[key] = merged.get(key, 0.0) + float(value) * part_tokens
-            tokens += part_tokens
-        for key in merged:
-            if not key.endswith("_max"):
-                merged[key] /= max(tokens, 1)
-        skipped = not self._finite_everywhere(loss)
-        if skipped:
-            if settings.nan_policy == "stop":
-                raise NonFiniteError(
-                    f"the loss of policy version {self.version + 1} is {loss.item()} on rank {self.rank} "
-                    "(train.nan_policy: stop); no update was applied or published. Set train.nan_policy: skip "
-                    "to skip such steps, or lower train.lr"
-                )
-            grad_norm = float("nan")  # no backward, no optimizer step: the weights stay as they were
-        else:
-            self.engine.backward(loss)
-            own_norm = self._plain_grad_norm() if settings.zero_stage == 0 else None
-            self.engine.step()
-            grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
+            stats.add(loss_stats, tokens)
+        return loss, stats, mismatch
+
+    def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
+        """One train step on this rank's shard: ppo_epochs x mini_batches optimizer steps; rank 0
+        then publishes version + 1 (a version counts train steps, see the module docstring).
+
+        Each mini-batch may be split into micro-batches (`micro_batch_tokens`); their losses are
+        summed into one backward pass, so an optimizer step equals the unsplit one (up to float
+        reassociation) under every loss aggregation and ZeRO stage. `global_tokens` and
+        `global_sequences` count the whole step over all ranks (the normalisers of a one-mini-batch
+        step; several mini-batches sum their own counts over the ranks). With several updates, the
+        proximal log-probs are computed once before the first.
+
+        Optional per-sample columns: `staleness` (train_step - policy_version; 0 when absent),
+        `ref_logprobs` (one per response token; required when kl_coef > 0)."""
+        settings = self.settings
+        start = time.perf_counter()
+        self.engine.train()
+        count = len(samples["advantages"])
+        if not count:
+            raise ValueError("train_step got no samples")
+        if settings.kl_coef > 0 and any(ref is None for ref in samples.get("ref_logprobs") or [None]):
+            raise ValueError(
+                f"algorithm.kl_coef is {settings.kl_coef} but samples carry no ref_logprobs (one reference "
+                "log-prob per response token); add the reference-model stage to the job or set algorithm.kl_coef: 0"
+            )
+        samples = dict(samples)
+        updates = settings.ppo_epochs * settings.mini_batches
+        if updates > 1:
+            samples["proximal_logprobs"] = self._proximal_logprobs(samples)
+        stats, mismatch, losses, grad_norms, skipped = _StatSums(), [], [], [], False
+        for epoch in range(settings.ppo_epochs):
+            parts = self.mini_batches(count, epoch)
+            counts = ([(global_tokens, global_sequences)] if settings.mini_batches == 1
+                      else self._global_counts(parts, samples))
+            for part_indices, (tokens, sequences) in zip(parts, counts):
+                loss, part_stats, part_mismatch = self._loss(self._subset(samples, part_indices), tokens, sequences,
+                                                             first_epoch=epoch == 0)
+                stats.merge(part_stats)
+                mismatch += part_mismatch
+                losses.append(loss.item())
+                if not self._finite_everywhere(loss):
+                    skipped = True
+                    if settings.nan_policy == "stop":
+                        raise NonFiniteError(
+                            f"the loss of policy version {self.version + 1} is {losses[-1]} on rank {self.rank} "
+                            "(train.nan_policy: stop); no update was applied or published. Set "
+                            "train.nan_policy: skip to skip such steps, or lower train.lr"
+                        )
+                    break  # this step's remaining updates are dropped; the ones already taken stay applied
+                grad_norms.append(self._optimizer_step(loss))
+            if skipped:
+                break
         self.version += 1  # a skipped step still consumes its data and advances the version counter
         publish_seconds = self._publish() if self.joins_publish else 0.0
         return {
             "nonfinite_skipped": int(skipped),
-            "policy_loss": loss.item(),  # rank losses average to the global loss (see _aggregate)
-            "entropy": entropy_sum / max(tokens, 1),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "num_tokens": tokens,
-            "micro_batches": len(batches),
+            # mean over the optimizer steps (non-finite when one was); rank losses average to the global loss
+            "policy_loss": float(np.mean(losses)),
+            "grad_norm": grad_norms[0] if grad_norms else float("nan"),  # the first update's, before clipping
+            "grad_norm_last": grad_norms[-1] if grad_norms else float("nan"),
+            "optimizer_steps": len(grad_norms),
+            "num_tokens": sum(len(r) for r in samples["response_token_ids"]),
+            "micro_batches": len(self.micro_batches(samples)),
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
-            **merged,
+            "mismatch": mismatch,  # merged over ranks by the Train operator (operators.correction.merge_mismatch)
+            **stats.means(),
         }
+
+    def _optimizer_step(self, loss) -> float:
+        """Backward and one DeepSpeed optimizer step; the global gradient norm before clipping.
+        The DeepSpeed config has one micro-batch per optimizer step (gradient accumulation 1), so
+        every backward is an accumulation boundary: each mini-batch is its own optimizer step."""
+        self.engine.backward(loss)
+        own_norm = self._plain_grad_norm() if self.settings.zero_stage == 0 else None
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
+        return float(grad_norm) if grad_norm is not None else float("nan")
 
     def _finite_everywhere(self, loss) -> bool:
         """True when the loss is finite on every rank (all ranks must agree to skip a step together)."""

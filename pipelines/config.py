@@ -259,9 +259,14 @@ class RewardConfig(_Section):
 
 class AlgorithmConfig(_Section):
     advantage: str = Field(
-        "grpo", description="Advantage estimator: grpo, grpo_no_std, dr_grpo, rloo, reinforce_pp_baseline."
+        "grpo", description="Advantage estimator: grpo, grpo_no_std, dr_grpo, rloo, reinforce_pp_baseline "
+        "(REINFORCE++: group baseline, then whitened over the whole train step)."
     )
-    policy_loss: str = Field("ppo_clip", description="Policy loss: ppo_clip.")
+    policy_loss: str = Field(
+        "ppo_clip", description="Policy loss: ppo_clip (trust region centred on the behaviour policy, 'naive' "
+        "under staleness), decoupled_ppo (centred on the proximal policy, importance weight pi_prox / pi_behave, "
+        "dual-clip; AReaL), gspo (sequence-level ratio; wants clip_eps_low/high ~3e-4/4e-4)."
+    )
     loss_aggregation: str = Field(
         "token_mean",
         description="How per-token losses become one number: token_mean, seq_mean_token_mean, "
@@ -269,6 +274,75 @@ class AlgorithmConfig(_Section):
     )
     clip_eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip range below 1.")
     clip_eps_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (DAPO clip-higher when larger).")
+    clip_ratio_c: float = Field(
+        3.0, description="decoupled_ppo's dual-clip: the loss of a negative-advantage token stops growing once "
+        "pi_theta / pi_prox exceeds this (> 1; verl/DAPO use 3)."
+    )
+    tis: Literal["none", "token", "sequence"] = Field(
+        "none", description="Truncated importance sampling on rho = pi_prox / pi_behave (any policy loss): the "
+        "behaviour weight becomes min(rho, tis_cap), per token or per response (rho of the whole response)."
+    )
+    tis_cap: float = Field(2.0, description="TIS cap (> 0; 2 is common).")
+    mis: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="Masked importance sampling: drop tokens (token) or whole responses (sequence: on "
+        "prod rho; geometric: on the geometric mean of rho) whose ratio lies outside [mis_low, mis_high]."
+    )
+    mis_low: float = Field(0.5, description="MIS lower bound on the ratio (0 < mis_low <= 1).")
+    mis_high: float = Field(2.0, description="MIS upper bound on the ratio (>= 1).")
+    kl_coef: float = Field(
+        0.0, description="Weight of the KL-to-reference term in the loss (>= 0); > 0 needs reference log-probs "
+        "per response token (the reference-model stage)."
+    )
+    kl_estimator: str = Field("k3", description="KL estimator of that term: k1, k2 or k3 (low-variance).")
+    entropy_coef: float = Field(0.0, description="Weight of the entropy bonus subtracted from the loss (>= 0).")
+    overlong_buffer: int = Field(
+        0, description="DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - this get a "
+        "penalty growing linearly to -overlong_penalty at max_new_tokens, added to the reward before the "
+        "advantage (0: off; below rollout.max_new_tokens)."
+    )
+    overlong_penalty: float = Field(1.0, description="The overlong punishment at max_new_tokens (>= 0).")
+
+    @field_validator("clip_ratio_c")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float) -> float:
+        if value <= 1:
+            raise ValueError(f"{value} must be > 1 (the dual clip bounds ratios above the clip range); use e.g. 3.0")
+        return value
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _positive_cap(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"{value} caps the importance weight at nothing; use a cap > 0, e.g. 2.0")
+        return value
+
+    @field_validator("kl_coef", "entropy_coef", "overlong_penalty", "overlong_buffer")
+    @classmethod
+    def _not_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError(f"{value} is negative; use 0 (off) or a positive value")
+        return value
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, name: str) -> str:
+        from operators.losses import KL_ESTIMATORS
+
+        return name if name in KL_ESTIMATORS else _unknown(name, KL_ESTIMATORS)
+
+    @field_validator("mis_low")
+    @classmethod
+    def _mis_low_in_unit_interval(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError(f"{value} must be in (0, 1] (ratios below it are masked); use e.g. 0.5")
+        return value
+
+    @field_validator("mis_high")
+    @classmethod
+    def _mis_high_at_least_one(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(f"{value} must be >= 1 (ratios above it are masked); use e.g. 2.0")
+        return value
 
     @field_validator("advantage")
     @classmethod
@@ -338,6 +412,14 @@ class TrainConfig(_Section):
         "many tokens (0: one batch). Cuts padding on long-tailed lengths; the losses share one backward, "
         "so the step is unchanged.",
     )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over each train step's samples. A policy version still counts train steps "
+        "(batches), so the staleness bound, checkpoints and the ledger do not depend on it."
+    )
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per pass: each rank's samples of the step split into this many "
+        "equal mini-batches (must divide groups_per_step x rollout.n / world_size)."
+    )
     seed: int = Field(0, description="Seed of the trainer and the samplers.")
     checkpoint_every: int = Field(
         10, ge=0, description="Write a resumable checkpoint (DeepSpeed model + optimizer state, RNG states, the "
@@ -360,7 +442,9 @@ class TrainConfig(_Section):
     )
     nan_policy: Literal["skip", "stop"] = Field(
         "skip", description="A step whose loss is NaN or inf: 'skip' leaves the weights unchanged (counted in "
-        "the nonfinite_skipped metric), 'stop' fails the job. Non-finite weights are never published."
+        "the nonfinite_skipped metric; with several optimizer steps per train step, the ones before the "
+        "non-finite one stay applied and the rest are dropped), 'stop' fails the job. Non-finite weights are "
+        "never published."
     )
     max_nan_skips: int = Field(
         10, ge=0, description="With nan_policy: skip, fail the job after this many skipped steps in a run."
@@ -506,6 +590,26 @@ class JobConfig(_Section):
             problems.append(
                 f"train.world_size: {samples} samples per step (groups_per_step x rollout.n) do not split "
                 f"evenly over {self.train.world_size} ranks; pick a world_size that divides {samples}"
+            )
+        per_rank = samples // self.train.world_size
+        if per_rank % self.train.mini_batches and not samples % self.train.world_size:
+            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            problems.append(
+                f"train.mini_batches: {self.train.mini_batches} does not divide the {per_rank} samples per rank "
+                f"(groups_per_step x rollout.n / world_size); use one of {divisors}"
+            )
+        if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
+            problems.append(
+                f"algorithm.overlong_buffer: {self.algorithm.overlong_buffer} leaves no length unpunished "
+                f"(rollout.max_new_tokens={self.rollout.max_new_tokens}); use a buffer below max_new_tokens, or 0"
+            )
+        if self.rollout.top_p < 1:
+            # The trainer's log-probs are over the full vocabulary; under nucleus sampling the engine's are
+            # over the nucleus, so rho = pi_prox / pi_behave would be < 1 on every token for no reason.
+            problems.append(
+                f"rollout.top_p: {self.rollout.top_p} is not supported for training: the engine's behaviour "
+                "log-probs would be over the nucleus and the trainer's over the whole vocabulary, which biases "
+                "every importance ratio; use top_p: 1.0 (temperature still applies)"
             )
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")

@@ -45,7 +45,7 @@ from pipelines.resume import (
     AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
 )
 from pipelines.timeline import overlap_report
-from pipelines.trainer_group import start_trainer_group, stop_trainer_group
+from pipelines.trainer_group import advantage_options, start_trainer_group, stop_trainer_group, train_options
 
 
 @dataclass
@@ -142,14 +142,15 @@ def build_rl_dataset(
             batch_format="pandas", **remote_args.get("reference", {}),
         )
     ds = ds.map_batches(
-        Advantage, fn_constructor_kwargs=dict(estimator=cfg.algorithm.advantage),
+        Advantage, fn_constructor_kwargs=advantage_options(cfg),
         compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
     )
     return ds.map_batches(
         Train,
         fn_constructor_kwargs=dict(
             workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
-            first_step=first_step, success_threshold=cfg.reward.success_threshold, **(checkpoint_options or {}),
+            first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
+            **(checkpoint_options or {}),
         ),
         # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
         # last checkpoint instead (run_job).

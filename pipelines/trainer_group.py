@@ -19,6 +19,8 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from operators.advantage import STEP_WHITENED
+from operators.correction import CorrectionSettings
 from operators.train_worker import TrainerSettings, TrainWorker
 from pipelines.config import JobConfig
 
@@ -56,7 +58,28 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         nan_policy=cfg.train.nan_policy,
         zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
         trust_remote_code=cfg.model.trust_remote_code,
+        clip_ratio_c=cfg.algorithm.clip_ratio_c,
+        correction=CorrectionSettings(
+            tis=cfg.algorithm.tis, tis_cap=cfg.algorithm.tis_cap,
+            mis=cfg.algorithm.mis, mis_low=cfg.algorithm.mis_low, mis_high=cfg.algorithm.mis_high,
+        ),
+        kl_coef=cfg.algorithm.kl_coef,
+        kl_estimator=cfg.algorithm.kl_estimator,
+        entropy_coef=cfg.algorithm.entropy_coef,
+        ppo_epochs=cfg.train.ppo_epochs,
+        mini_batches=cfg.train.mini_batches,
     )
+
+
+def advantage_options(cfg: JobConfig) -> dict:
+    """Constructor arguments of the Advantage operator (operators.advantage)."""
+    return {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.rollout.max_new_tokens,
+            "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty}
+
+
+def train_options(cfg: JobConfig) -> dict:
+    """The algorithm's constructor arguments of the Train operator (operators.train)."""
+    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED}
 
 
 def _reserve(cfg: JobConfig):

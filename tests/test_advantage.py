@@ -6,12 +6,15 @@ import pytest
 
 from operators.advantage import (
     ADVANTAGE_ESTIMATORS,
+    STEP_WHITENED,
     Advantage,
     dr_grpo,
     grpo,
     grpo_no_std,
+    overlong_shaping,
     reinforce_pp_baseline,
     rloo,
+    whiten_over_step,
 )
 from operators.registry import Registry
 
@@ -79,23 +82,78 @@ def test_rloo_leave_one_out_baseline():
     np.testing.assert_allclose(adv, expected, atol=ATOL)
 
 
-def test_reinforce_pp_baseline_whitens_over_whole_batch():
+def test_reinforce_pp_baseline_group_part_then_whole_step_whitening():
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
     # group means: [1,0,0,1] -> 0.5, [1,1,1,0] -> 0.75
-    # centered: [0.5,-0.5,-0.5,0.5], [0.25,0.25,0.25,-0.75]; batch mean of all 8 = 0
-    # population var = (4*0.25 + 3*0.0625 + 0.5625) / 8 = 1.75 / 8 = 0.21875
+    # centered: [0.5,-0.5,-0.5,0.5], [0.25,0.25,0.25,-0.75]
+    centered = reinforce_pp_baseline(rewards)
+    np.testing.assert_allclose(centered, [[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]], atol=ATOL)
+    assert "reinforce_pp_baseline" in STEP_WHITENED
+    # step mean of all 8 = 0; population var = (4*0.25 + 3*0.0625 + 0.5625) / 8 = 1.75 / 8 = 0.21875
     # std = sqrt(0.21875) = 0.4677071733
     #   0.5 / 0.4677071733 = 1.0690450,  0.25 / ... = 0.5345225,  -0.75 / ... = -1.6035675
-    adv = reinforce_pp_baseline(np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]]), eps=0.0)
+    adv = whiten_over_step(centered.tolist(), eps=0.0)
     expected = [
         [1.0690450, -1.0690450, -1.0690450, 1.0690450],
         [0.5345225, 0.5345225, 0.5345225, -1.6035675],
     ]
     np.testing.assert_allclose(adv, expected, atol=ATOL)
+    assert all(type(v) is float for group in adv for v in group)
+
+
+def test_whiten_over_step_accepts_per_token_advantages():
+    # values 1, 3 (one response each) and [2, 2] (one per token of a third response): mean 2,
+    # population std sqrt((1 + 1 + 0 + 0) / 4) = 0.7071068 -> 1 -> -1.4142136, 3 -> 1.4142136, 2 -> 0
+    adv = whiten_over_step([[1.0, 3.0], [[2.0, 2.0]]], eps=0.0)
+    np.testing.assert_allclose(adv[0], [-1.4142136, 1.4142136], atol=ATOL)
+    np.testing.assert_allclose(adv[1][0], [0.0, 0.0], atol=ATOL)
+
+
+def test_reinforce_pp_advantages_do_not_depend_on_groups_per_call():
+    # 8 groups of one step through the Advantage operator in calls of 1 and of 4 groups, then the
+    # step's whitening (what Train does): the same advantages. Whitening per call (the old placement)
+    # gives different ones, which is the bug this guards against.
+    rng = np.random.default_rng(3)
+    rewards = rng.integers(0, 2, size=(8, 4)).astype(float)
+    rewards[0] = [1.0, 1.0, 1.0, 0.0]  # make sure no call of 4 has all-identical groups only
+    op = Advantage("reinforce_pp_baseline")
+
+    def per_step(call_size):
+        groups = []
+        for start in range(0, 8, call_size):
+            batch = pd.DataFrame({"rewards": [list(r) for r in rewards[start:start + call_size]]})
+            groups += op(batch)["advantages"].tolist()
+        return whiten_over_step(groups)
+
+    np.testing.assert_allclose(per_step(1), per_step(4), atol=1e-12)
+    per_call = [whiten_over_step(op(pd.DataFrame({"rewards": [list(r) for r in rewards[s:s + 4]]}))["advantages"]
+                                 .tolist()) for s in (0, 4)]
+    assert not np.allclose(per_call[0] + per_call[1], per_step(4))
 
 
 def test_reinforce_pp_baseline_identical_rewards_no_nan():
-    adv = reinforce_pp_baseline(np.array([[1.0, 1.0], [0.0, 0.0]]))
+    adv = whiten_over_step(reinforce_pp_baseline(np.array([[1.0, 1.0], [0.0, 0.0]])).tolist())
     np.testing.assert_array_equal(adv, [[0.0, 0.0], [0.0, 0.0]])
+
+
+def test_overlong_shaping_dapo():
+    # max_new_tokens 4, buffer 2: free up to 4 - 2 = 2 tokens, then -(len - 2) / 2 * penalty
+    #   lengths 1, 2 -> 0;  3 -> -0.5;  4 -> -1.0 (penalty 1)  /  -0.25, -0.5 (penalty 0.5)
+    np.testing.assert_allclose(overlong_shaping([1, 2, 3, 4], max_new_tokens=4, buffer=2, penalty=1.0),
+                               [0.0, 0.0, -0.5, -1.0], atol=ATOL)
+    np.testing.assert_allclose(overlong_shaping([1, 2, 3, 4], max_new_tokens=4, buffer=2, penalty=0.5),
+                               [0.0, 0.0, -0.25, -0.5], atol=ATOL)
+    np.testing.assert_array_equal(overlong_shaping([4, 4], max_new_tokens=4, buffer=0, penalty=1.0), [0.0, 0.0])
+
+
+def test_advantage_operator_applies_overlong_shaping_before_the_estimator():
+    # rewards [1, 1, 0, 0], lengths [1, 4, 3, 2], max 4, buffer 2: shaping [0, -1, -0.5, 0]
+    # shaped [1, 0, -0.5, 0], mean 0.125 -> grpo_no_std [0.875, -0.125, -0.625, -0.125]; 2 responses shaped
+    batch = pd.DataFrame({"rewards": [[1.0, 1.0, 0.0, 0.0]], "response_lengths": [[1, 4, 3, 2]]})
+    out = Advantage("grpo_no_std", max_new_tokens=4, overlong_buffer=2, overlong_penalty=1.0)(batch)
+    np.testing.assert_allclose(out["advantages"][0], [0.875, -0.125, -0.625, -0.125], atol=ATOL)
+    assert out["overlong_shaped"].tolist() == [2]
+    assert out["rewards"][0] == [1.0, 1.0, 0.0, 0.0]  # the task reward is kept for the metrics
 
 
 def test_estimators_reject_non_2d_rewards():
@@ -143,15 +201,12 @@ def test_advantage_operator_accepts_ndarray_cells_and_eps():
 
 
 def test_advantage_operator_groups_rows_by_n():
-    # Rows of different n are processed as separate [g, n] arrays, so batch
-    # whitening happens within each subset:
-    #   n=2 subset [[1,0]]:     centered [0.5,-0.5], pop std 0.5 -> [1,-1]
-    #   n=4 subset [[3,0,0,3]]: centered [1.5,-1.5,-1.5,1.5], pop std 1.5 -> [1,-1,-1,1]
-    # (whitening all six values together would use std sqrt((2*0.25+4*2.25)/6) = 1.258 instead)
+    # Rows of different n are processed as separate [g, n] arrays:
+    #   n=2 row [1,0] -> grpo_no_std [0.5,-0.5];  n=4 row [3,0,0,3] -> [1.5,-1.5,-1.5,1.5]
     batch = pd.DataFrame({"rewards": [[1.0, 0.0], [3.0, 0.0, 0.0, 3.0]]})
-    out = Advantage("reinforce_pp_baseline", eps=0.0)(batch)
-    np.testing.assert_allclose(out["advantages"][0], [1.0, -1.0], atol=ATOL)
-    np.testing.assert_allclose(out["advantages"][1], [1.0, -1.0, -1.0, 1.0], atol=ATOL)
+    out = Advantage("grpo_no_std")(batch)
+    np.testing.assert_allclose(out["advantages"][0], [0.5, -0.5], atol=ATOL)
+    np.testing.assert_allclose(out["advantages"][1], [1.5, -1.5, -1.5, 1.5], atol=ATOL)
 
 
 def test_advantage_operator_mixed_n_keeps_row_order():
@@ -169,7 +224,7 @@ def test_advantage_operator_empty_batch():
     batch = pd.DataFrame({"prompt": pd.Series([], dtype=object), "rewards": pd.Series([], dtype=object)})
     out = Advantage()(batch)
     assert len(out) == 0
-    assert list(out.columns) == ["prompt", "rewards", "advantages", "time_advantage"]
+    assert list(out.columns) == ["prompt", "rewards", "advantages", "overlong_shaped", "time_advantage"]
 
 
 def test_advantage_operator_unknown_estimator():

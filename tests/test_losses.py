@@ -6,9 +6,15 @@ import pytest
 import torch
 
 from operators.losses import (
+    KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    decoupled_ppo,
     entropy_from_logits,
+    gspo,
+    kl_k1,
+    kl_k2,
+    kl_k3,
     masked_mean,
     ppo_clip,
     seq_mean_token_mean,
@@ -56,6 +62,7 @@ def test_ppo_clip_per_token_loss_and_stats():
     # (1.5 + 0.5 + 0.5 + 1.5 + 1.1) / 5 = 5.1 / 5 = 1.02; the padded 3.0 is excluded
     assert stats["ratio_mean"] == pytest.approx(1.02, abs=1e-9)
     assert stats["ratio_max"] == pytest.approx(1.5, abs=1e-9)
+    assert stats["ratio_min"] == pytest.approx(0.5, abs=1e-9)
     # k3 = (r - 1) - ln r:
     #   r=1.5: 0.5 - 0.4054651081 = 0.0945348919
     #   r=0.5: -0.5 + 0.6931471806 = 0.1931471806
@@ -91,7 +98,127 @@ def test_ppo_clip_asymmetric_clip_higher():
 def test_ppo_clip_empty_mask_stats_are_neutral():
     logprobs, old, adv, _ = _ppo_inputs()
     _, stats = ppo_clip(logprobs, old, adv, torch.zeros(1, 6))
-    assert stats == {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0}
+    assert stats == {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "ratio_min": 1.0}
+
+
+def test_ppo_clip_huge_log_ratio_stays_finite():
+    # log-ratio 0 - (-1000) = 1000 would overflow exp to inf; clamped to 20: ratio e^20, clipped to 1.2
+    # for A = +1 -> loss max(-e^20, -1.2) = -1.2; for A = -1 -> max(e^20, 1.2) = e^20 = 4.85165195e8, finite.
+    logprobs = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    old = _t([[-1000.0, -1000.0]])
+    loss, stats = ppo_clip(logprobs, old, _t([[1.0, -1.0]]), torch.ones(1, 2))
+    torch.testing.assert_close(loss.detach(), _t([[-1.2, math.exp(20.0)]]), **TOL)
+    (loss.sum()).backward()
+    assert torch.isfinite(logprobs.grad).all() and all(math.isfinite(v) for v in stats.values())
+
+
+# ------------------------------------------------------------- decoupled_ppo
+
+# One sequence, 5 valid tokens + 1 padded. proximal = 0, so ratio pi_theta/pi_prox = exp(logprobs);
+# behaviour = -ln w, so the importance weight pi_prox/pi_behave = w. Clip [0.8, 1.2], dual clip c = 3.
+#   tok  A   ratio  w    -A*r   -A*clamp(r)  max    dual (A<0: min with -A*c = 3)  loss = w * surr
+#   0   +1   1.5   2.0  -1.5   -1.2         -1.2   -                               -2.4  (clipped)
+#   1   -1   0.5   0.5   0.5    0.8          0.8   0.8                              0.4  (clipped)
+#   2   -1   4.0   1.0   4.0    1.2          4.0   min(4.0, 3.0) = 3.0              3.0  (dual clip)
+#   3   -1   2.0   1.0   2.0    1.2          2.0   2.0                              2.0
+#   4   +2   1.1   1.0  -2.2   -2.2         -2.2   -                               -2.2
+#   5   padded
+D_RATIOS = [1.5, 0.5, 4.0, 2.0, 1.1, 1.0]
+D_WEIGHTS = [2.0, 0.5, 1.0, 1.0, 1.0, 1.0]
+D_ADV = [[1.0, -1.0, -1.0, -1.0, 2.0, 0.0]]
+
+
+def _decoupled_inputs():
+    logprobs = _t([[math.log(r) for r in D_RATIOS]]).requires_grad_(True)
+    behavior = _t([[-math.log(w) for w in D_WEIGHTS]])
+    return logprobs, behavior, _t(D_ADV), _t(MASK), torch.zeros(1, 6, dtype=torch.float64)
+
+
+def test_decoupled_ppo_centres_clip_on_proximal_and_weights_by_behaviour_ratio():
+    logprobs, behavior, adv, mask, proximal = _decoupled_inputs()
+    loss, stats = decoupled_ppo(logprobs, behavior, adv, mask, proximal_logprobs=proximal, clip_ratio_c=3.0)
+    torch.testing.assert_close(loss[:, :5], _t([[-2.4, 0.4, 3.0, 2.0, -2.2]]), **TOL)
+    assert stats["clip_fraction"] == pytest.approx(2 / 5, abs=1e-9)  # tokens 0 and 1
+    assert stats["dual_clip_fraction"] == pytest.approx(1 / 5, abs=1e-9)  # token 2
+    # ratio pi_theta / pi_prox: (1.5 + 0.5 + 4.0 + 2.0 + 1.1) / 5 = 1.82, max 4.0, min 0.5
+    assert stats["ratio_mean"] == pytest.approx(1.82, abs=1e-9)
+    assert (stats["ratio_max"], stats["ratio_min"]) == (pytest.approx(4.0), pytest.approx(0.5))
+
+    (loss * mask).sum().backward()
+    # d(w * -A * r)/d logprob = w * -A * r where neither clip is active; 0 on tokens 0, 1 (clip), 2 (dual clip)
+    #   tok3: 1 * 1 * 2.0 = 2.0   tok4: 1 * -2 * 1.1 = -2.2
+    torch.testing.assert_close(logprobs.grad, _t([[0.0, 0.0, 0.0, 2.0, -2.2, 0.0]]), **TOL)
+
+
+def test_decoupled_ppo_one_update_has_the_naive_gradient_where_ppo_clip_does_not_clip():
+    # With one update pi_prox = pi_theta (detached): ratio 1 (never clipped), weight pi_theta/pi_behave,
+    # so the gradient -A * pi_theta/pi_behave equals ppo_clip's on its unclipped tokens (2, 3, 4 of
+    # the ppo_clip table above), and is kept (not zeroed) on the tokens ppo_clip clips (0, 1).
+    logprobs, old, adv, mask = _ppo_inputs()
+    naive_loss, _ = ppo_clip(logprobs, old, adv, mask)
+    (naive_loss * mask).sum().backward()
+    naive_grad = logprobs.grad.clone()
+    logprobs.grad = None
+    loss, stats = decoupled_ppo(logprobs, old, adv, mask, proximal_logprobs=logprobs.detach())
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logprobs.grad[:, 2:5], naive_grad[:, 2:5], **TOL)
+    # tokens 0, 1: -A * ratio = -(+1) * 1.5 = -1.5 and -(-1) * 0.5 = 0.5
+    torch.testing.assert_close(logprobs.grad[:, :2], _t([[-1.5, 0.5]]), **TOL)
+    assert stats["clip_fraction"] == 0.0 and stats["ratio_max"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------- gspo
+
+# Two responses; padded positions hold 5.0 log-ratios to prove they are ignored.
+#   seq 0: log-ratios [ln 2, 0], A = +1:  s = exp(ln2 / 2) = sqrt 2 = 1.4142135624
+#          clip [0.8, 1.2]: max(-1.41421, -1.2) = -1.2 (clipped)
+#   seq 1: log-ratios [ln .9, ln .9, ln .9], A per token [-0.5, -1.5, -1.0] -> mean -1.0: s = 0.9,
+#          max(0.9, 0.9) = 0.9 (inside the range, not clipped)
+def test_gspo_sequence_ratio_clip_and_gradient():
+    lr9 = math.log(0.9)
+    logprobs = _t([[math.log(2.0), 0.0, 5.0, 5.0], [lr9, lr9, lr9, 5.0]]).requires_grad_(True)
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    adv = _t([[1.0, 1.0, 1.0, 1.0], [-0.5, -1.5, -1.0, 0.0]])
+    mask = _t([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    loss, stats = gspo(logprobs, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    torch.testing.assert_close(loss.detach(), _t([[-1.2] * 4, [0.9] * 4]), **TOL)
+    # token-weighted: seq 0 (2 tokens) clipped, seq 1 (3 tokens) not -> 2/5
+    assert stats["clip_fraction"] == pytest.approx(0.4, abs=1e-9)
+    # (2 * 1.4142135624 + 3 * 0.9) / 5 = 5.5284271247 / 5
+    assert stats["ratio_mean"] == pytest.approx(1.1056854249, abs=1e-9)
+    assert (stats["ratio_max"], stats["ratio_min"]) == (pytest.approx(2 ** 0.5), pytest.approx(0.9))
+
+    seq_mean_token_mean(loss, mask).backward()
+    # (loss_0 + loss_1) / 2; d loss_1 / d logprob_1t = -A * s / |y| = 1.0 * 0.9 / 3 = 0.3, times 1/2 = 0.15;
+    # seq 0 is clipped (0), padding gets nothing.
+    torch.testing.assert_close(logprobs.grad, _t([[0.0, 0.0, 0.0, 0.0], [0.15, 0.15, 0.15, 0.0]]), **TOL)
+
+
+# ------------------------------------------------------------ KL estimators
+
+
+def test_kl_estimators_hand_computed():
+    # token 0: pi_theta = 0.5, pi_ref = 0.25; token 1: pi_theta = 0.25, pi_ref = 0.5
+    logprobs = _t([[math.log(0.5), math.log(0.25)]])
+    ref = _t([[math.log(0.25), math.log(0.5)]])
+    # k1 = ln(pi_theta / pi_ref): ln 2 = 0.6931471806, -ln 2
+    torch.testing.assert_close(kl_k1(logprobs, ref), _t([[0.6931471806, -0.6931471806]]), **TOL)
+    # k2 = (ln 2)^2 / 2 = 0.4804530139 / 2 = 0.2402265070 on both
+    torch.testing.assert_close(kl_k2(logprobs, ref), _t([[0.2402265070, 0.2402265070]]), **TOL)
+    # k3 = r - 1 - ln r, r = pi_ref / pi_theta: r = 0.5 -> -0.5 + 0.6931471806 = 0.1931471806;
+    #                                            r = 2   ->  1.0 - 0.6931471806 = 0.3068528194
+    torch.testing.assert_close(kl_k3(logprobs, ref), _t([[0.1931471806, 0.3068528194]]), **TOL)
+
+
+def test_kl_k3_is_finite_on_extreme_log_ratios():
+    # ln r = -100 - 0 clamped to -20: e^-20 - 1 + 20 = 19.0000000021
+    value = kl_k3(_t([[0.0]]), _t([[-100.0]]))
+    torch.testing.assert_close(value, _t([[19.0 + math.exp(-20.0)]]), **TOL)
+
+
+def test_kl_registry():
+    assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
+    assert KL_ESTIMATORS.get("k3") is kl_k3
 
 
 # -------------------------------------------------------------- aggregations
@@ -164,6 +291,7 @@ def test_aggregation_gradient_only_reaches_valid_tokens():
 
 def test_registries():
     assert POLICY_LOSSES.get("ppo_clip") is ppo_clip
+    assert POLICY_LOSSES.names() == ["decoupled_ppo", "gspo", "ppo_clip"]
     assert LOSS_AGGREGATIONS.names() == ["seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"]
     with pytest.raises(KeyError, match="unknown loss aggregation 'seq_sum'; available: seq_mean_token_mean"):
         LOSS_AGGREGATIONS.get("seq_sum")

@@ -7,6 +7,7 @@ same global gradient norm and loss: the token-level loss is normalised by the gl
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pipelines.config import load_config
 from pipelines.policy_store import create_policy_store
@@ -102,3 +103,180 @@ def test_micro_batches_give_the_same_step(tiny_model_path):
         for name in weights_whole:
             diff = np.abs(weights_split[name] - weights_whole[name])
             assert diff.mean() < 1e-7 and diff.max() <= 2.0 * cfg.train.lr + 1e-6, (name, diff.mean(), diff.max())
+
+
+def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[list[list[int]]]):
+    """The same train step written out in plain torch (no DeepSpeed, no TrainWorker code): per optimizer
+    step, forward the mini-batch, the policy loss with TIS, KL to the reference and the entropy bonus,
+    token_mean over the mini-batch's tokens, backward, clip, AdamW. pi_prox is computed before the first
+    update when there are several, else it is the current log-probs. Returns (losses, grad norms, weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from operators.losses import KL_ESTIMATORS, POLICY_LOSSES
+
+    torch.manual_seed(cfg.train.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  weight_decay=cfg.train.weight_decay)
+    algo = cfg.algorithm
+
+    def tensors(indices):
+        seqs = [samples["prompt_token_ids"][i] + samples["response_token_ids"][i] for i in indices]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), model.config.pad_token_id or 0)
+        attention = torch.zeros_like(ids)
+        per_token = {key: torch.zeros(len(seqs), width - 1) for key in ("mask", "behave", "adv", "ref")}
+        for row, (i, seq) in enumerate(zip(indices, seqs)):
+            ids[row, :len(seq)], attention[row, :len(seq)] = torch.tensor(seq), 1
+            at = slice(len(samples["prompt_token_ids"][i]) - 1, len(seq) - 1)  # next-token positions
+            per_token["mask"][row, at] = 1.0
+            per_token["behave"][row, at] = torch.tensor(samples["behavior_logprobs"][i])
+            per_token["adv"][row, at] = samples["advantages"][i]
+            per_token["ref"][row, at] = torch.tensor(samples["ref_logprobs"][i])
+        return ids, attention, per_token
+
+    def logits_logprobs(ids, attention):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / cfg.rollout.temperature
+        return logits, torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    updates = cfg.train.ppo_epochs * cfg.train.mini_batches
+    everyone = list(range(len(samples["advantages"])))
+    if updates > 1:
+        with torch.no_grad():
+            ids, attention, _ = tensors(everyone)
+            prox_all = logits_logprobs(ids, attention)[1]  # [N, L-1]
+    losses, norms = [], []
+    for epoch_parts in partitions:
+        for indices in epoch_parts:
+            ids, attention, t = tensors(indices)
+            logits, logprobs = logits_logprobs(ids, attention)
+            prox = prox_all[indices][:, :logprobs.shape[1]] if updates > 1 else logprobs.detach()
+            options = dict(clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high)
+            if algo.policy_loss == "decoupled_ppo":
+                options.update(proximal_logprobs=prox, clip_ratio_c=algo.clip_ratio_c)
+            per_token, _ = POLICY_LOSSES.get(algo.policy_loss)(logprobs, t["behave"], t["adv"], t["mask"], **options)
+            if algo.tis == "token":  # effective behaviour weight min(rho, cap)
+                per_token = per_token * torch.clamp(algo.tis_cap / torch.exp(prox - t["behave"]), max=1.0)
+            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+            per_token = per_token - algo.entropy_coef * entropy
+            per_token = per_token + algo.kl_coef * KL_ESTIMATORS.get(algo.kl_estimator)(logprobs, t["ref"])
+            loss = (per_token * t["mask"]).sum() / t["mask"].sum()
+            optimizer.zero_grad()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
+            optimizer.step()
+            losses.append(loss.item())
+    return losses, norms, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # today's update: ppo_clip, one optimizer step per train step
+    ["train.mini_batches=2"],
+    ["algorithm.policy_loss=decoupled_ppo", "train.ppo_epochs=2", "train.mini_batches=2", "algorithm.tis=token",
+     "algorithm.tis_cap=1.05", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.01"],
+], ids=["ppo_clip-1x1", "ppo_clip-1x2", "decoupled_tis_kl_entropy-2x2"])
+def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
+    """Loss, gradient norm and weights after a train step equal the plain-torch reference: ppo_epochs x
+    mini_batches optimizer steps, each on its own mini-batch, pi_prox fixed before the first of several."""
+    from operators.correction import merge_mismatch
+    from operators.train_worker import TrainWorker
+    from pipelines.trainer_group import _free_port, trainer_settings
+
+    samples = _explode(step_samples(tiny_model_path))
+    # reference log-probs a little off the behaviour ones, so the KL term is not 0
+    samples["ref_logprobs"] = [[lp - 0.3 for lp in lps] for lps in samples["behavior_logprobs"]]
+    tokens = sum(len(r) for r in samples["response_token_ids"])
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"] + overrides)
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+    count = len(samples["advantages"])
+    partitions = [worker.mini_batches(count, epoch) for epoch in range(cfg.train.ppo_epochs)]
+    result = worker.train_step(samples, tokens, count)
+    losses, norms, weights = _reference_updates(tiny_model_path, samples, cfg, partitions)
+
+    assert result["optimizer_steps"] == len(losses) == cfg.train.ppo_epochs * cfg.train.mini_batches
+    assert worker.version == 1  # one policy version per train step, however many optimizer steps
+    np.testing.assert_allclose(result["policy_loss"], np.mean(losses), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose([result["grad_norm"], result["grad_norm_last"]], [norms[0], norms[-1]], rtol=1e-5)
+    # Adam's early steps are ~lr*sign(g): a gradient entry near 0 may flip sign under float reassociation,
+    # so bound the rare element by 2*lr per optimizer step and the average tightly.
+    for name, value in worker.state_dict().items():
+        diff = np.abs(value - weights[name])
+        assert diff.mean() < 1e-7 and diff.max() <= 2 * cfg.train.lr * len(losses), (name, diff.mean(), diff.max())
+    mismatch = merge_mismatch(result["mismatch"])
+    assert mismatch["is_tokens"] == tokens  # every token measured once, not once per epoch
+    if cfg.algorithm.tis == "token":
+        assert 0 < mismatch["tis_fraction"] < 1  # the cap 1.05 bites on some tokens, not all
+        assert result["kl_ref"] > 0
+
+
+def test_kl_without_reference_logprobs_is_refused(tiny_model_path):
+    from operators.train_worker import TrainWorker
+    from pipelines.trainer_group import _free_port, trainer_settings
+
+    samples = _explode(step_samples(tiny_model_path))
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
+                             "algorithm.kl_coef=0.1"])
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+    with pytest.raises(ValueError, match="algorithm.kl_coef is 0.1 but samples carry no ref_logprobs"):
+        worker.train_step(samples, 10, len(samples["advantages"]))
+    assert worker.version == 0
+
+
+def test_per_token_advantages_equal_broadcast_scalars(tiny_model_path):
+    """An advantage given per response token (GAE's shape) trains exactly like the same value given once."""
+    from operators.train_worker import TrainWorker
+    from pipelines.trainer_group import _free_port, trainer_settings
+
+    scalar = _explode(step_samples(tiny_model_path))
+    per_token = dict(scalar, advantages=[[a] * len(r) for a, r in zip(scalar["advantages"], scalar["response_token_ids"])])
+    tokens = sum(len(r) for r in scalar["response_token_ids"])
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"])
+    outcomes = []
+    for samples in (scalar, per_token):
+        worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+        outcomes.append((worker.train_step(samples, tokens, len(samples["advantages"])), worker.state_dict()))
+    (a, weights_a), (b, weights_b) = outcomes
+    assert a["policy_loss"] == b["policy_loss"] and a["grad_norm"] == b["grad_norm"]
+    assert all(np.array_equal(weights_a[k], weights_b[k]) for k in weights_a)
+    wrong = dict(per_token, advantages=[adv[:-1] for adv in per_token["advantages"]])
+    with pytest.raises(ValueError, match="advantages for"):
+        worker.train_step(wrong, tokens, len(wrong["advantages"]))
+
+
+def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_cluster, tiny_model_path):
+    """The Train operator in front of a real rank: REINFORCE++ advantages are whitened over the whole
+    step (mean 0, std 1 over all its responses, in the logged rollouts), and the mismatch statistics
+    come per staleness level (the groups were generated by versions 1 and 2 for step 2)."""
+    import io
+
+    import pandas as pd
+    import ray
+
+    from operators.train import Train
+
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
+                             "train.num_cpus=0.4"])
+    store = create_policy_store("trainer-test-whiten")
+    workers, _ = start_trainer_group(cfg, tiny_model_path, "trainer-test-whiten")
+    try:
+        rows = step_samples(tiny_model_path)
+        for index, row in enumerate(rows):
+            row.update(group_uid=f"g{index}", prompt_id=index, epoch=0, train_step=2, policy_version=1 + index,
+                       prompt="p", responses=["r"] * 4, response_lengths=[len(r) for r in row["response_token_ids"]],
+                       rewards=[1.0, 0.0, 0.0, 1.0], reward_errors=0, reward_timeouts=0,
+                       advantages=[1.0, 0.0, 0.0, 3.0] if index == 0 else [2.0, 2.0, 2.0, 4.0])
+        train = Train(workers, groups_per_step=2, total_steps=1, first_step=2, whiten_advantages=True)
+        (out,) = list(train(pd.DataFrame(rows)))
+        metrics = out.iloc[0]
+        logged = pd.read_parquet(io.BytesIO(metrics["rollouts_parquet"]))
+        values = np.concatenate([np.asarray(a, dtype=float) for a in logged["advantages"]])
+        # values 1, 0, 0, 3, 2, 2, 2, 4: mean 14/8 = 1.75, population std sqrt(13.5/8) = 1.2990381
+        np.testing.assert_allclose(values, (np.array([1, 0, 0, 3, 2, 2, 2, 4]) - 1.75) / (1.2990381 + 1e-6), atol=1e-6)
+        assert sorted(logged["staleness"]) == [0, 1]
+        tokens = {level: metrics[f"is_tokens_staleness_{level}"] for level in (0, 1)}
+        assert tokens[0] + tokens[1] == metrics["is_tokens"] == sum(len(r) for row in rows for r in row["response_token_ids"])
+        assert metrics["policy_version"] == 3 and metrics["optimizer_steps"] == 1
+    finally:
+        for actor in [*workers, store]:
+            ray.kill(actor)
