@@ -147,6 +147,20 @@ def overlong_shaping(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, p
     return -penalty * over / buffer  # [N]
 
 
+def sequence_kl_penalty(behavior_logprobs: List[List[float]], ref_logprobs: List[List[float]]) -> np.ndarray:
+    """KL to the reference as a reward penalty, per response: the sum over its tokens of the k1
+    estimate log pi_behave - log pi_ref (its expectation is the sequence-level KL); [n] lists -> [n].
+
+    Subtracted (times a coefficient) from the outcome reward before the advantage, as verl and
+    OpenRLHF do with a KL "in the reward"; `algorithm.kl_coef` puts it in the loss instead."""
+    if len(behavior_logprobs) != len(ref_logprobs):
+        raise ValueError(f"{len(behavior_logprobs)} responses but {len(ref_logprobs)} reference log-prob lists")
+    return np.array([
+        float(np.sum(np.asarray(b, dtype=np.float64) - np.asarray(r, dtype=np.float64)))  # sum_t k1
+        for b, r in zip(behavior_logprobs, ref_logprobs)
+    ])  # [n]
+
+
 class Advantage:
     """Ray Data `map_batches` operator adding per-response advantages.
 
@@ -158,7 +172,10 @@ class Advantage:
     in this call / number of rows, so the per-row value sums back to the call's cost).
 
     With `overlong_buffer` > 0 the DAPO overlong shaping is added to the rewards
-    before the estimator sees them; the "rewards" column keeps the task reward.
+    before the estimator sees them; with `kl_reward_coef` > 0, kl_reward_coef x
+    `sequence_kl_penalty` is subtracted (rows need "behavior_logprobs" and "ref_logprobs",
+    from the RefLogprob stage; the row's mean penalty goes to "kl_reward_penalty"). The
+    "rewards" column keeps the task reward.
 
     Rows with different n cannot share a [G, n] array, so rows are grouped by
     n and each subset goes through the estimator separately (estimators are
@@ -166,9 +183,10 @@ class Advantage:
     """
 
     def __init__(self, estimator: str = "grpo", eps: float = 1e-6, max_new_tokens: int = 0,
-                 overlong_buffer: int = 0, overlong_penalty: float = 1.0):
+                 overlong_buffer: int = 0, overlong_penalty: float = 1.0, kl_reward_coef: float = 0.0):
         self.estimator = estimator
         self.eps = eps
+        self.kl_reward_coef = float(kl_reward_coef)
         self._fn = ADVANTAGE_ESTIMATORS.get(estimator)  # KeyError for unknown names
         self.shaping = {"max_new_tokens": max_new_tokens, "buffer": overlong_buffer, "penalty": overlong_penalty}
 
@@ -183,6 +201,13 @@ class Advantage:
             shaping = [overlong_shaping(lengths, **self.shaping) for lengths in batch["response_lengths"]]
             rewards = [r + s for r, s in zip(rewards, shaping)]
             shaped = [int((s != 0).sum()) for s in shaping]
+        if self.kl_reward_coef > 0:
+            if "ref_logprobs" not in batch.columns:
+                raise ValueError("kl_reward_coef > 0 needs a ref_logprobs column: put the RefLogprob stage "
+                                 "before Advantage (a `reference` section in the job config)")
+            penalties = [sequence_kl_penalty(b, r) for b, r in zip(batch["behavior_logprobs"], batch["ref_logprobs"])]
+            rewards = [r - self.kl_reward_coef * p for r, p in zip(rewards, penalties)]
+            out["kl_reward_penalty"] = pd.Series([float(p.mean()) for p in penalties], index=out.index, dtype=np.float64)
         advantages = self._row_advantages(rewards) if len(batch) else []
         # dtype=object keeps each cell a list instead of pandas expanding to 2-D.
         out["advantages"] = pd.Series(advantages, index=out.index, dtype=object)

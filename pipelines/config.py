@@ -294,6 +294,11 @@ class AlgorithmConfig(_Section):
         "per response token (the reference-model stage)."
     )
     kl_estimator: str = Field("k3", description="KL estimator of that term: k1, k2 or k3 (low-variance).")
+    kl_reward_coef: float = Field(
+        0.0, description="KL to the reference in the reward instead (or as well): kl_reward_coef x the response's "
+        "summed k1 (log pi_behave - log pi_ref) is subtracted from its reward before the advantage (>= 0; > 0 "
+        "needs the reference stage)."
+    )
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus subtracted from the loss (>= 0).")
     overlong_buffer: int = Field(
         0, description="DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - this get a "
@@ -316,7 +321,7 @@ class AlgorithmConfig(_Section):
             raise ValueError(f"{value} caps the importance weight at nothing; use a cap > 0, e.g. 2.0")
         return value
 
-    @field_validator("kl_coef", "entropy_coef", "overlong_penalty", "overlong_buffer")
+    @field_validator("kl_coef", "kl_reward_coef", "entropy_coef", "overlong_penalty", "overlong_buffer")
     @classmethod
     def _not_negative(cls, value: float) -> float:
         if value < 0:
@@ -611,6 +616,12 @@ class JobConfig(_Section):
                 "log-probs would be over the nucleus and the trainer's over the whole vocabulary, which biases "
                 "every importance ratio; use top_p: 1.0 (temperature still applies)"
             )
+        for coef in ("kl_coef", "kl_reward_coef"):
+            if getattr(self.algorithm, coef) > 0 and self.reference is None:
+                problems.append(
+                    f"algorithm.{coef}: KL to a reference needs the reference log-probs; add a `reference:` "
+                    "section (`reference: {}` uses the starting policy) or set the coefficient to 0"
+                )
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         if self.ray.cluster is not None:

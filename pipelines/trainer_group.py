@@ -74,7 +74,8 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
 def advantage_options(cfg: JobConfig) -> dict:
     """Constructor arguments of the Advantage operator (operators.advantage)."""
     return {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.rollout.max_new_tokens,
-            "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty}
+            "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
+            "kl_reward_coef": cfg.algorithm.kl_reward_coef}
 
 
 def train_options(cfg: JobConfig) -> dict:
