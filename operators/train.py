@@ -30,7 +30,7 @@ import pandas as pd
 
 ROLLOUT_COLUMNS = [
     "prompt_id", "group_uid", "epoch", "policy_version", "train_step", "staleness", "prompt",
-    "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts",
+    "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts", "used", "dropped",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
 
@@ -51,13 +51,19 @@ class Train:
         max_nan_skips: int | None = None,
         hf_export: str = "last",
         whiten_advantages: bool = False,
+        generated_per_step: int | None = None,
+        dynamic_sampling: bool = False,
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
         checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
         `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (weights and
         tokenizer), every one with `hf_export="every"`. `prior_ledger`: the ledger of the checkpoint the job
         resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
-        (operators.advantage.whiten_over_step; REINFORCE++) before training on them."""
+        (operators.advantage.whiten_over_step; REINFORCE++) before training on them. `generated_per_step`:
+        groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
+        `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped."""
+        self.generated_per_step = generated_per_step or groups_per_step
+        self.dynamic_sampling = dynamic_sampling
         self.hf_export = hf_export
         self.whiten_advantages = whiten_advantages
         self.workers = list(workers)
@@ -96,7 +102,7 @@ class Train:
             if uid is not None:
                 self.seen.add(uid)
             self.buffer[step].append(row)
-        while len(self.buffer.get(self.next_step, ())) >= self.groups_per_step:
+        while len(self.buffer.get(self.next_step, ())) >= self.generated_per_step:
             # In schedule order, not arrival order: the step's sums (loss, gradient) then add up in the
             # same order however the stream interleaved the calls, so a resumed run repeats the same floats.
             rows = sorted(self.buffer.pop(self.next_step), key=lambda row: str(row.get("group_uid")))
@@ -110,6 +116,10 @@ class Train:
         start = time.perf_counter()
         waited = start - self.last_step_end  # trainer idle: waiting for this step's data
         rows = [{**row, "staleness": step - int(row["policy_version"])} for row in rows]
+        generated = rows
+        dropped: dict[str, str] = {}
+        if self.dynamic_sampling:
+            rows, dropped = select_informative(rows, self.groups_per_step)
         if self.whiten_advantages:  # over every group of the step, so the ranks' shards share one mean and std
             from operators.advantage import whiten_over_step
 
@@ -127,7 +137,9 @@ class Train:
             self.idle_seconds += waited
         self.busy_seconds += end - start
         self.last_step_end = end
-        table = _rollouts(rows, step)
+        # Every generated group (what the policy did), with the advantages it trained on where `used`.
+        trained_rows = {row["group_uid"]: row for row in rows}
+        table = _rollouts([trained_rows.get(row["group_uid"], row) for row in generated], step, dropped)
         metrics = {
             "step": step,
             **_reward_metrics(table, self.success_threshold),
@@ -138,6 +150,10 @@ class Train:
             "policy_version": step + 1,  # one version per train step, however many optimizer steps it took
             "duplicate_groups": self.duplicates,
             "overlong_shaped": int(sum(row.get("overlong_shaped", 0) for row in rows)),
+            **({"dynamic_sampling_zero_variance": sum(r == "zero_variance" for r in dropped.values()),
+                "dynamic_sampling_surplus": sum(r == "surplus" for r in dropped.values()),
+                "dynamic_sampling_topped_up": sum(not _informative(row) for row in rows)}
+               if self.dynamic_sampling else {}),
         }
         self.ledger.append(_ledger_rows(table, trained=not metrics.get("nonfinite_skipped")))
         if metrics.get("nonfinite_skipped"):
@@ -186,6 +202,26 @@ class Train:
         return final
 
 
+def _informative(row: dict) -> bool:
+    """A group teaches something when its rewards differ (GRPO-style advantages are all 0 otherwise)."""
+    return float(np.ptp(np.asarray(row["rewards"], dtype=float))) > 0
+
+
+def select_informative(rows: list[dict], count: int) -> tuple[list[dict], dict[str, str]]:
+    """DAPO dynamic sampling: the first `count` groups (in the given, schedule order) whose rewards
+    differ; if fewer differ, topped up with the first zero-variance ones, so every step trains the
+    same number of samples. Returns the rows kept and, per group_uid left out, why:
+    "zero_variance" (no learning signal) or "surplus" (informative, but `count` were already kept)."""
+    informative = [row for row in rows if _informative(row)]
+    flat = [row for row in rows if not _informative(row)]
+    kept = informative[:count] + flat[:max(0, count - len(informative))]
+    kept_ids = {id(row) for row in kept}
+    dropped = {str(row["group_uid"]): "surplus" if _informative(row) else "zero_variance"
+               for row in rows if id(row) not in kept_ids}
+    order = {id(row): index for index, row in enumerate(rows)}
+    return sorted(kept, key=lambda row: order[id(row)]), dropped
+
+
 def _explode(rows: list[dict]) -> dict[str, list]:
     """Groups -> samples: one entry per response, in group order.
 
@@ -224,8 +260,13 @@ def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:
     return [{key: values[rank * size:(rank + 1) * size] for key, values in samples.items()} for rank in range(world_size)]
 
 
-def _rollouts(rows: list[dict], step: int) -> pd.DataFrame:
+def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None) -> pd.DataFrame:
+    """The step's groups as the rollouts Parquet and the ledger hold them; `dropped`: group_uid ->
+    why dynamic sampling left it out of the update (the others are `used`)."""
+    dropped = dropped or {}
     table = pd.DataFrame(rows)
+    table["dropped"] = [dropped.get(str(uid)) for uid in table.get("group_uid", [None] * len(table))]
+    table["used"] = table["dropped"].isna()
     table["train_step"] = step
     table["staleness"] = step - table["policy_version"].astype(int)
     for column in ROLLOUT_COLUMNS:

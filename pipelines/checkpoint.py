@@ -40,7 +40,10 @@ RUN_FILE = "run.json"
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "staleness", "trained"]
+# `used`: the group was in its step's update (dynamic sampling leaves some out, `dropped` says why:
+# zero_variance or surplus); `trained`: the step's update was applied (not skipped for a non-finite loss).
+LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "staleness", "trained",
+                  "used", "dropped"]
 
 
 class CheckpointError(RuntimeError):

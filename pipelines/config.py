@@ -306,6 +306,16 @@ class AlgorithmConfig(_Section):
         "advantage (0: off; below rollout.max_new_tokens)."
     )
     overlong_penalty: float = Field(1.0, description="The overlong punishment at max_new_tokens (>= 0).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: generate dynamic_sampling_groups groups per step, drop those "
+        "whose rewards all agree (zero variance: no learning signal) and train train.groups_per_step of the "
+        "others, in schedule order; the ledger records every group with what became of it. A step with too few "
+        "informative groups is topped up with dropped ones (counted in dynamic_sampling_topped_up)."
+    )
+    dynamic_sampling_groups: int = Field(
+        0, ge=0, description="Groups generated per step with dynamic_sampling (>= train.groups_per_step, a multiple "
+        "of rollout.groups_per_call); 0: twice train.groups_per_step."
+    )
 
     @field_validator("clip_ratio_c")
     @classmethod
@@ -590,6 +600,17 @@ class JobConfig(_Section):
                 f"rollout.groups_per_call: {self.rollout.groups_per_call} does not divide "
                 f"train.groups_per_step={self.train.groups_per_step}; pick a divisor so no call spans two steps"
             )
+        generated = self.generated_groups_per_step()
+        if self.algorithm.dynamic_sampling and generated < self.train.groups_per_step:
+            problems.append(
+                f"algorithm.dynamic_sampling_groups: {generated} generated groups cannot yield "
+                f"train.groups_per_step={self.train.groups_per_step}; generate at least that many (0: twice as many)"
+            )
+        elif generated % self.rollout.groups_per_call:
+            problems.append(
+                f"algorithm.dynamic_sampling_groups: {generated} groups per step is not a multiple of "
+                f"rollout.groups_per_call={self.rollout.groups_per_call}; pick a multiple so no call spans two steps"
+            )
         samples = self.train.groups_per_step * self.rollout.n
         if samples % self.train.world_size:
             problems.append(
@@ -630,6 +651,12 @@ class JobConfig(_Section):
             problems += [f"ray.cluster: {text}" for text in plan_problems(self, declared_nodes(self.ray.cluster))]
         _raise_at(problems)
         return self
+
+    def generated_groups_per_step(self) -> int:
+        """Groups generated (scheduled) per train step: train.groups_per_step, more with dynamic sampling."""
+        if not self.algorithm.dynamic_sampling:
+            return self.train.groups_per_step
+        return self.algorithm.dynamic_sampling_groups or 2 * self.train.groups_per_step
 
     def tracking_uri(self) -> str:
         return self.tracking.uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"

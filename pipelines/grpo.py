@@ -73,7 +73,7 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     """Assign prompts to (step, slot) in epoch order; one DataFrame per generate call.
 
     Each frame becomes one block of the source, so no generate call spans two steps."""
-    steps, per_step, per_call = cfg.train.steps, cfg.train.groups_per_step, cfg.rollout.groups_per_call
+    steps, per_step, per_call = cfg.train.steps, cfg.generated_groups_per_step(), cfg.rollout.groups_per_call
     total = steps * per_step
     order, epoch = [], 0
     while len(order) < total:
@@ -149,6 +149,7 @@ def build_rl_dataset(
         Train,
         fn_constructor_kwargs=dict(
             workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
+            generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
             first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
             **(checkpoint_options or {}),
         ),
