@@ -53,6 +53,7 @@ class SimTrainWorker:
         return {
             "policy_loss": 0.0, "entropy": 0.0, "grad_norm": 0.0, "num_tokens": num_tokens,
             "clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0,
+            "grad_norm_last": 0.0, "optimizer_steps": 1, "mismatch": [],  # the fields a real rank reports
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
         }

@@ -283,7 +283,7 @@ def _ledger_rows(table: pd.DataFrame, trained: bool) -> pd.DataFrame:
 
     rows = table.assign(trained=trained)
     rows["epoch"] = rows["epoch"].astype("Int64")
-    return rows[LEDGER_COLUMNS].reset_index(drop=True)
+    return rows.reindex(columns=LEDGER_COLUMNS).reset_index(drop=True)
 
 
 def _reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:

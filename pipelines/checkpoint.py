@@ -145,7 +145,8 @@ class CheckpointDir:
 
     def commit(self, tmp: Path, step: int, state: dict, ledger: pd.DataFrame) -> Path:
         """Add state and ledger, fsync every file, write the manifest last, rename into place."""
-        ledger[LEDGER_COLUMNS].to_parquet(tmp / LEDGER, index=False)
+        # reindex: a ledger carried over from a checkpoint written before a column existed gets it empty
+        ledger.reindex(columns=LEDGER_COLUMNS).to_parquet(tmp / LEDGER, index=False)
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "written_at": time.time()}, indent=1, default=str))
         entries = {}
         for file in _files(tmp):

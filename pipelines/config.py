@@ -606,7 +606,7 @@ class JobConfig(_Section):
                 f"algorithm.dynamic_sampling_groups: {generated} generated groups cannot yield "
                 f"train.groups_per_step={self.train.groups_per_step}; generate at least that many (0: twice as many)"
             )
-        elif generated % self.rollout.groups_per_call:
+        elif self.algorithm.dynamic_sampling and generated % self.rollout.groups_per_call:
             problems.append(
                 f"algorithm.dynamic_sampling_groups: {generated} groups per step is not a multiple of "
                 f"rollout.groups_per_call={self.rollout.groups_per_call}; pick a multiple so no call spans two steps"

@@ -336,12 +336,15 @@ class EvalPlan:
         self.cfg, self.prompts, self.model_path, self.tracker = cfg, prompts, model_path, tracker
         self.artifacts_dir = artifacts_dir
         self.rows: list[dict] = []  # one per evaluated version, in order
+        # A resumed run: the versions its earlier processes evaluated are in MLflow already.
+        self.logged = tracker.metric_steps("eval/policy_version") if tracker.resumed and prompts is not None else set()
 
     def versions(self, first_step: int) -> list[int]:
-        """Versions still to evaluate in an attempt that starts at `first_step` (a restart redoes none)."""
+        """Versions still to evaluate in an attempt that starts at `first_step` (a restart or a resume
+        redoes none that was logged)."""
         if self.prompts is None:
             return []
-        done = {row["step"] for row in self.rows}
+        done = {row["step"] for row in self.rows} | self.logged
         return [v for v in self.cfg.eval.versions(self.cfg.train.steps) if v >= first_step and v not in done]
 
     def start(self, store_name: str, first_step: int, echo: Callable[[str], None]) -> InTrainingEval | None:

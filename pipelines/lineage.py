@@ -288,6 +288,13 @@ class Tracker:
         self._writer = threading.Thread(target=self._write_loop, name=f"mlflow-writer-{run_id[:8]}", daemon=True)
         self._writer.start()
 
+    def metric_steps(self, key: str) -> set[int]:
+        """Steps at which the run already has metric `key` (a resumed run asks; none if MLflow cannot say)."""
+        try:
+            return {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        except Exception:  # noqa: BLE001 - unreachable: the caller just does the work again
+            return set()
+
     def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> str:
         """Record a dataset as an input of the run ("training", "eval"), once per digest; its digest."""
         return log_dataset_input(self.client, self.run, prompts, source, context)
@@ -492,6 +499,9 @@ class NullTracker:
     def log_step(self, row: dict) -> None: ...
 
     def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> None: ...
+
+    def metric_steps(self, key: str) -> set[int]:
+        return set()
 
     def log_artifact(self, file: Path | str, artifact_path: str | None = None) -> None: ...
 

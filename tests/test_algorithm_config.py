@@ -84,7 +84,7 @@ def test_trainer_and_operators_get_the_algorithm():
         "algorithm.mis=geometric", "algorithm.mis_low=0.9", "algorithm.mis_high=1.1", "algorithm.kl_coef=0.05",
         "algorithm.kl_estimator=k1", "algorithm.entropy_coef=0.01", "algorithm.clip_ratio_c=4",
         "train.ppo_epochs=2", "train.mini_batches=4", "algorithm.overlong_buffer=2", "algorithm.overlong_penalty=0.5",
-        "algorithm.advantage=reinforce_pp_baseline",
+        "algorithm.advantage=reinforce_pp_baseline", "reference={}",
     ])
     settings = trainer_settings(cfg, "model")
     assert settings.correction == CorrectionSettings(tis="sequence", tis_cap=1.5, mis="geometric", mis_low=0.9,
@@ -93,7 +93,7 @@ def test_trainer_and_operators_get_the_algorithm():
             settings.clip_ratio_c, settings.ppo_epochs, settings.mini_batches) == (
         "decoupled_ppo", 0.05, "k1", 0.01, 4.0, 2, 4)
     assert advantage_options(cfg) == dict(estimator="reinforce_pp_baseline", max_new_tokens=4, overlong_buffer=2,
-                                          overlong_penalty=0.5)
+                                          overlong_penalty=0.5, kl_reward_coef=0.0)
     assert train_options(cfg) == {"whiten_advantages": True}
     assert train_options(load_config(TINY)) == {"whiten_advantages": False}
 
@@ -104,6 +104,7 @@ def test_a_resumed_run_cannot_change_how_it_learns(field):
     from pipelines.config import flatten
     from pipelines.resume import config_changes
 
-    saved = flatten(load_config(TINY))
-    changed = config_changes(saved, load_config(TINY, [field]))
+    with_reference = ["reference={}"]  # a KL coefficient needs the reference stage
+    saved = flatten(load_config(TINY, with_reference))
+    changed = config_changes(saved, load_config(TINY, [*with_reference, field]))
     assert [key for key, _ in changed] == [field.split("=")[0]]

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from operators.evaluation import pass_at_k, pass_at_ks, summarize, summarize_greedy, summarize_sampled
-from pipelines.checkpoint import CheckpointDir, dataset_digest
+from pipelines.checkpoint import LEDGER_COLUMNS, CheckpointDir, dataset_digest
 from pipelines.cli import main
 from pipelines.config import ConfigError, load_config
 from pipelines.resume import run_file_info
@@ -174,8 +174,7 @@ def fake_run(tmp_path: Path, tiny_model_path: str, overrides: list[str] = (), st
         for file in Path(tiny_model_path).iterdir():
             if file.is_file():
                 shutil.copy(file, tmp / file.name)
-        ledger = pd.DataFrame(columns=["train_step", "group_uid", "prompt_id", "epoch", "policy_version",
-                                       "staleness", "trained"])
+        ledger = pd.DataFrame(columns=LEDGER_COLUMNS)
         store.commit(tmp, step, {"run_id": run_id, "policy_version": step}, ledger)
     return run_id
 

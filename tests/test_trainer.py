@@ -174,7 +174,8 @@ def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[lis
     [],  # today's update: ppo_clip, one optimizer step per train step
     ["train.mini_batches=2"],
     ["algorithm.policy_loss=decoupled_ppo", "train.ppo_epochs=2", "train.mini_batches=2", "algorithm.tis=token",
-     "algorithm.tis_cap=1.05", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.01"],
+     "algorithm.tis_cap=1.05", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.01",
+     "reference={}"],
 ], ids=["ppo_clip-1x1", "ppo_clip-1x2", "decoupled_tis_kl_entropy-2x2"])
 def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
     """Loss, gradient norm and weights after a train step equal the plain-torch reference: ppo_epochs x
@@ -216,7 +217,7 @@ def test_kl_without_reference_logprobs_is_refused(tiny_model_path):
 
     samples = _explode(step_samples(tiny_model_path))
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
-                             "algorithm.kl_coef=0.1"])
+                             "algorithm.kl_coef=0.1", "reference={}"])  # configured, but no stage added them
     worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
     with pytest.raises(ValueError, match="algorithm.kl_coef is 0.1 but samples carry no ref_logprobs"):
         worker.train_step(samples, 10, len(samples["advantages"]))
