@@ -22,6 +22,8 @@ import time
 
 import pandas as pd
 
+from operators.batching import length_sorted_chunks
+
 
 class RefLogprob:
     def __init__(
@@ -62,7 +64,7 @@ class RefLogprob:
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per (prompt ids, response ids): the response tokens' log-probs, in order."""
         out: list[list[float] | None] = [None] * len(sequences)
-        for chunk in _chunks([len(p) + len(r) for p, r in sequences], self.micro_batch_tokens):
+        for chunk in length_sorted_chunks([len(p) + len(r) for p, r in sequences], self.micro_batch_tokens):
             for index, values in zip(chunk, self._score_chunk([sequences[i] for i in chunk])):
                 out[index] = values
         return out
@@ -84,16 +86,3 @@ class RefLogprob:
         # Position p predicts token p + 1: a response starting at len(prompt) is read from len(prompt) - 1.
         return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
 
-
-def _chunks(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices sorted by length, cut so that no chunk pads to more than `budget` tokens (a
-    sequence longer than the budget gets a chunk of its own)."""
-    chunks, current, width = [], [], 0
-    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        grown = max(width, lengths[index])
-        if current and grown * (len(current) + 1) > budget:
-            chunks.append(current)
-            current, grown = [], lengths[index]
-        current.append(index)
-        width = grown
-    return chunks + ([current] if current else [])

@@ -226,16 +226,10 @@ class TrainWorker:
         budget = self.settings.micro_batch_tokens
         if not budget:
             return [list(range(count))] if count else []
+        from operators.batching import length_sorted_chunks
+
         lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
-        batches, current, width = [], [], 0
-        for index in sorted(range(count), key=lambda i: lengths[i]):
-            grown = max(width, lengths[index])
-            if current and grown * (len(current) + 1) > budget:
-                batches.append(current)
-                current, grown = [], lengths[index]
-            current.append(index)
-            width = grown
-        return batches + ([current] if current else [])
+        return length_sorted_chunks(lengths, budget)
 
     def mini_batches(self, count: int, epoch: int) -> list[list[int]]:
         """This rank's sample indices per optimizer step of one epoch: `mini_batches` equal parts

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from operators.generate import Generate
-from operators.ref_logprob import RefLogprob, _chunks
+from operators.batching import length_sorted_chunks
+from operators.ref_logprob import RefLogprob
 from pipelines.config import ConfigError, load_config
 
 
@@ -35,7 +36,7 @@ def test_chunked_scoring_equals_one_batch(tiny_model_path):
     chunked = RefLogprob(tiny_model_path, micro_batch_tokens=8)(rows)["ref_logprobs"]  # one sequence a chunk
     for a, b in zip(whole, chunked):
         np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), atol=1e-5)
-    assert _chunks([5, 1, 3, 9], budget=10) == [[1, 2], [0], [3]]  # sorted by length; 3 x 5 > 10 pads too much
+    assert length_sorted_chunks([5, 1, 3, 9], budget=10) == [[1, 2], [0], [3]]  # sorted by length; 3 x 5 > 10 pads too much
 
 
 def test_reference_config_is_checked_up_front(tmp_path):
