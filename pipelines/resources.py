@@ -64,6 +64,10 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
         "helpers": Demand("helpers", 1, _actor(DAG_HELPER_CPUS, 0, {})),
         **({"eval": Demand("eval", 1, _actor(cfg.eval.num_cpus, cfg.eval.num_gpus, cfg.eval.resources))}
            if cfg.eval is not None else {}),
+        **({"critic": Demand("critic", cfg.critic.world_size,
+                             _actor(cfg.critic.num_cpus, cfg.critic.num_gpus, cfg.critic.resources)),
+            "value": Demand("value", 1, _actor(cfg.critic.value_num_cpus, 0, {}))}
+           if cfg.critic is not None else {}),
     }
 
 

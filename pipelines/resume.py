@@ -27,6 +27,8 @@ MAY_CHANGE = (
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
     "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
     "eval",  # held-out evaluation reads the policy, never changes it
+    "critic.num_cpus", "critic.num_gpus", "critic.resources", "critic.placement", "critic.placement_timeout_s",
+    "critic.torch_threads", "critic.value_num_cpus",
 )
 
 # Ray errors that mean a process died (not that the code is wrong): a restart can fix them.
