@@ -37,6 +37,8 @@ ROLLOUT_COLUMNS = [
     "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
+# With a critic: the version that valued the group, and per response token its values and return targets.
+CRITIC_COLUMNS = ["critic_version", "values", "returns"]
 
 
 class Train:
@@ -268,7 +270,10 @@ def _rollouts(rows: list[dict], step: int) -> pd.DataFrame:
             table[column] = None
     for column in ("responses", "response_lengths", "rewards", "advantages"):
         table[column] = table[column].map(list)
-    return table[ROLLOUT_COLUMNS]
+    critic = [column for column in CRITIC_COLUMNS if column in table.columns]
+    for column in set(critic) - {"critic_version"}:
+        table[column] = table[column].map(lambda cell: [[float(v) for v in response] for response in cell])
+    return table[ROLLOUT_COLUMNS + critic]
 
 
 def _ledger_rows(table: pd.DataFrame, trained: bool) -> pd.DataFrame:
