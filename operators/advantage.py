@@ -1,10 +1,15 @@
-"""Outcome-reward advantage estimators (pure numpy), reward shaping and a Ray-Data-style operator.
+"""Advantage estimators (pure numpy), reward shaping and a Ray-Data-style operator.
 
-Every estimator maps per-response scalar rewards of shape [G, n] (G prompt
-groups, n sampled responses per prompt) to one advantage per response, also
-[G, n] float64; the trainer broadcasts it over the response tokens later (a
-per-token estimator such as GAE may instead give a list per response token).
-Estimators are looked up by name through `ADVANTAGE_ESTIMATORS`.
+Two kinds, each with its registry:
+
+* outcome estimators (`ADVANTAGE_ESTIMATORS`: grpo, rloo, ...) map per-response scalar
+  rewards of shape [G, n] (G prompt groups, n sampled responses per prompt) to one advantage
+  per response, also [G, n] float64; the trainer broadcasts it over the response tokens;
+* token estimators (`TOKEN_ESTIMATORS`: gae) map one response's per-token rewards [T] and
+  the critic's per-token values [T] to per-token advantages and return targets, both [T]
+  (the critic's training targets). They need a `values` column (operators.value.Value).
+
+`estimator_kind(name)` says which kind a name is; the Advantage operator dispatches on it.
 """
 
 import time
@@ -19,6 +24,15 @@ if TYPE_CHECKING:
     import pandas
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+TOKEN_ESTIMATORS = Registry("token-level advantage estimator")
+
+
+def estimator_kind(name: str) -> str:
+    """"outcome" (per-response, from rewards alone) or "token" (per token, needs a critic's values)."""
+    if name in TOKEN_ESTIMATORS:
+        return "token"
+    ADVANTAGE_ESTIMATORS.get(name)  # KeyError naming the known outcome estimators
+    return "outcome"
 
 
 def _as_groups(rewards: np.ndarray) -> np.ndarray:
@@ -113,6 +127,41 @@ def reinforce_pp_baseline(rewards: np.ndarray, *, eps: float = 1e-6) -> np.ndarr
 STEP_WHITENED = frozenset({"reinforce_pp_baseline"})
 
 
+def outcome_token_rewards(reward: float, length: int) -> np.ndarray:
+    """Per-token rewards of one response: the outcome reward on its last token, 0 elsewhere; [T]."""
+    rewards = np.zeros(length, dtype=np.float64)  # [T]
+    if length:
+        rewards[-1] = reward
+    return rewards
+
+
+@TOKEN_ESTIMATORS.register("gae")
+def gae(token_rewards: np.ndarray, values: np.ndarray, *, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation (Schulman et al. 2016) over one response of T tokens.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t          (V_T = 0: the episode ends with the last token)
+        A_t     = delta_t + gamma * lam * A_{t+1}      (A_T = 0)
+        R_t     = A_t + V_t                            (the critic's return target)
+
+    V_t is the critic's value of the state before token t (prompt + tokens < t). lam = 1 gives
+    Monte-Carlo returns minus the value baseline; lam = 0 the one-step TD error.
+    Returns (advantages [T], returns [T]), float64.
+    """
+    token_rewards = np.asarray(token_rewards, dtype=np.float64)  # [T]
+    values = np.asarray(values, dtype=np.float64)  # [T]
+    if token_rewards.shape != values.shape or token_rewards.ndim != 1:
+        raise ValueError(f"token rewards {token_rewards.shape} and values {values.shape} must both be [T]")
+    next_values = np.append(values[1:], 0.0)  # [T]: V_{t+1}, 0 after the last token
+    deltas = token_rewards + gamma * next_values - values  # [T]
+    advantages = np.zeros_like(deltas)  # [T]
+    running = 0.0
+    for t in reversed(range(len(deltas))):
+        running = deltas[t] + gamma * lam * running
+        advantages[t] = running
+    return advantages, advantages + values  # [T], [T]
+
+
 def whiten_over_step(advantages: List[List], *, eps: float = 1e-6) -> List[List]:
     """(x - mean) / (std + eps) over every value of one train step (population std, ddof=0).
 
@@ -180,14 +229,21 @@ class Advantage:
     Rows with different n cannot share a [G, n] array, so rows are grouped by
     n and each subset goes through the estimator separately (estimators are
     per group; reinforce_pp_baseline's whitening happens later, per step).
+
+    A token estimator (gae) also needs "values" (one list per response, one value per
+    response token: the Value stage's) and adds "returns" (same nesting); its advantages are
+    then one list per response token. Whitening, if any, happens per step in Train.
     """
 
     def __init__(self, estimator: str = "grpo", eps: float = 1e-6, max_new_tokens: int = 0,
-                 overlong_buffer: int = 0, overlong_penalty: float = 1.0, kl_reward_coef: float = 0.0):
+                 overlong_buffer: int = 0, overlong_penalty: float = 1.0, gamma: float = 1.0,
+                 gae_lambda: float = 1.0, kl_reward_coef: float = 0.0):
         self.estimator = estimator
         self.eps = eps
         self.kl_reward_coef = float(kl_reward_coef)
-        self._fn = ADVANTAGE_ESTIMATORS.get(estimator)  # KeyError for unknown names
+        self.kind = estimator_kind(estimator)  # KeyError for unknown names
+        self._fn = (TOKEN_ESTIMATORS if self.kind == "token" else ADVANTAGE_ESTIMATORS).get(estimator)
+        self.discount = {"gamma": gamma, "lam": gae_lambda}
         self.shaping = {"max_new_tokens": max_new_tokens, "buffer": overlong_buffer, "penalty": overlong_penalty}
 
     def __call__(self, batch: "pandas.DataFrame") -> "pandas.DataFrame":
@@ -208,13 +264,27 @@ class Advantage:
             penalties = [sequence_kl_penalty(b, r) for b, r in zip(batch["behavior_logprobs"], batch["ref_logprobs"])]
             rewards = [r - self.kl_reward_coef * p for r, p in zip(rewards, penalties)]
             out["kl_reward_penalty"] = pd.Series([float(p.mean()) for p in penalties], index=out.index, dtype=np.float64)
-        advantages = self._row_advantages(rewards) if len(batch) else []
+        if self.kind == "token":
+            advantages, returns = self._token_advantages(rewards, batch["values"])
+            out["returns"] = pd.Series(returns, index=out.index, dtype=object)
+        else:
+            advantages = self._row_advantages(rewards) if len(batch) else []
         # dtype=object keeps each cell a list instead of pandas expanding to 2-D.
         out["advantages"] = pd.Series(advantages, index=out.index, dtype=object)
         out["overlong_shaped"] = pd.Series(shaped, index=out.index, dtype=np.int64)
         per_row = (time.perf_counter() - start) / len(batch) if len(batch) else 0.0
         out["time_advantage"] = pd.Series(per_row, index=out.index, dtype=np.float64)
         return out
+
+    def _token_advantages(self, rewards_per_row: List, values_per_row) -> tuple[List, List]:
+        """Per row, per response: (advantages, returns), lists of floats per response token."""
+        advantages, returns = [], []
+        for rewards, values in zip(rewards_per_row, values_per_row):
+            pairs = [self._fn(outcome_token_rewards(reward, len(response_values)), response_values, **self.discount)
+                     for reward, response_values in zip(rewards, values)]
+            advantages.append([adv.tolist() for adv, _ in pairs])
+            returns.append([ret.tolist() for _, ret in pairs])
+        return advantages, returns
 
     def _row_advantages(self, rewards_per_row: List) -> List[List[float]]:
         """Advantages per row, computing each same-n subset as one [G, n] array."""

@@ -1,4 +1,4 @@
-"""Policy losses, KL estimators, loss aggregation modes and token-level helpers (torch).
+"""Policy and value losses, KL estimators, loss aggregation modes and token-level helpers (torch).
 
 Shapes: B sequences, T response-token positions, V vocabulary size.
 `mask` is [B, T] (bool or 0/1 float) marking valid response tokens; padded
@@ -15,6 +15,7 @@ from .registry import Registry
 POLICY_LOSSES = Registry("policy loss")
 LOSS_AGGREGATIONS = Registry("loss aggregation")
 KL_ESTIMATORS = Registry("KL estimator")
+VALUE_LOSSES = Registry("value loss")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -193,6 +194,27 @@ def _ppo_stats(log_ratio: torch.Tensor, clip_active: torch.Tensor, mask: torch.T
 
 
 # ----------------------------------------------------------------- KL to a reference
+
+
+@VALUE_LOSSES.register("clipped")
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, value_clip: float
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """PPO's clipped value loss (per token); all inputs [B, T] -> ([B, T], stats).
+
+        L_t = max((V_t - R_t)^2, (clip(V_t, V_old_t - eps, V_old_t + eps) - R_t)^2)
+
+    V_old are the values the Value stage predicted when the samples were made (the critic the
+    advantages were computed with), so one step cannot move a value further than eps from
+    them in the direction that lowers the loss. stats: `value_clip_fraction`, the share of
+    valid tokens whose clipped term is the larger (their gradient is zero).
+    """
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)  # [B, T]
+    unclipped_loss = (values - returns) ** 2  # [B, T]
+    clipped_loss = (clipped - returns) ** 2  # [B, T]
+    per_token = torch.maximum(unclipped_loss, clipped_loss) * mask  # [B, T]
+    clip_active = (clipped_loss > unclipped_loss).to(values.dtype)  # [B, T]
+    return per_token, {"value_clip_fraction": float(masked_mean(clip_active.detach(), mask))}
 
 
 @KL_ESTIMATORS.register("k1")

@@ -14,6 +14,10 @@ dropped and counted (`duplicate_groups`). Every `checkpoint_every` steps and aft
 one, the operator writes a resumable checkpoint (pipelines/checkpoint.py) between two
 optimizer steps: the ranks' DeepSpeed state, RNG states and the ledger of every group
 trained so far, which is the data cursor a resumed job continues from.
+
+With a critic group (PPO with GAE), the same step also trains the critic ranks on the
+step's return targets, beside the policy ranks; their state goes into the checkpoint's
+`critic/` folder.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ ROLLOUT_COLUMNS = [
     "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts", "used", "dropped",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
+# With a critic: the version that valued the group, and per response token its values and return targets.
+CRITIC_COLUMNS = ["critic_version", "values", "returns"]
 
 
 class Train:
@@ -53,6 +59,7 @@ class Train:
         whiten_advantages: bool = False,
         generated_per_step: int | None = None,
         dynamic_sampling: bool = False,
+        critics: Sequence = (),
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
         checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
@@ -61,12 +68,15 @@ class Train:
         resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
         (operators.advantage.whiten_over_step; REINFORCE++) before training on them. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
-        `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped."""
+        `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped.
+        `critics`: the critic group's ranks (operators.value_worker.ValueWorker), trained each step on the
+        rows' `returns` and `values` (from the Value and Advantage stages)."""
         self.generated_per_step = generated_per_step or groups_per_step
         self.dynamic_sampling = dynamic_sampling
         self.hf_export = hf_export
         self.whiten_advantages = whiten_advantages
         self.workers = list(workers)
+        self.critics = list(critics)
         self.groups_per_step = groups_per_step
         self.end_step = first_step + total_steps
         self.next_step = first_step
@@ -126,12 +136,16 @@ class Train:
             whitened = whiten_over_step([row["advantages"] for row in rows])
             rows = [{**row, "advantages": advantages} for row, advantages in zip(rows, whitened)]
         samples = _explode(rows)
+        critic_samples = {key: samples.pop(key) for key in ("returns", "old_values") if key in samples}
         shards = _shard(samples, len(self.workers))
         global_tokens = int(sum(len(tokens) for tokens in samples["response_token_ids"]))
-        results = ray.get([
+        calls = [
             worker.train_step.remote(shard, global_tokens, len(samples["advantages"]))
             for worker, shard in zip(self.workers, shards)
-        ])
+        ]
+        critic_calls = self._critic_calls(samples, critic_samples, global_tokens)  # beside the policy's
+        results = ray.get(calls)
+        critic_results = ray.get(critic_calls)
         end = time.perf_counter()
         if self.busy_seconds:  # the wait before the first step is start-up, not idleness
             self.idle_seconds += waited
@@ -154,6 +168,7 @@ class Train:
                 "dynamic_sampling_surplus": sum(r == "surplus" for r in dropped.values()),
                 "dynamic_sampling_topped_up": sum(not _informative(row) for row in rows)}
                if self.dynamic_sampling else {}),
+            **(_critic_metrics(critic_results, rows) if critic_results else {}),
         }
         self.ledger.append(_ledger_rows(table, trained=not metrics.get("nonfinite_skipped")))
         if metrics.get("nonfinite_skipped"):
@@ -176,6 +191,18 @@ class Train:
             "checkpoint_path": str(checkpoint) if checkpoint else None,
         }])
 
+    def _critic_calls(self, samples: dict, critic_samples: dict, global_tokens: int) -> list:
+        if not self.critics:
+            return []
+        if "returns" not in critic_samples:
+            raise ValueError("a critic needs rows with `returns` and `values`: put the Value stage before a token "
+                             "estimator (algorithm.advantage: gae)")
+        critic_samples = {"prompt_token_ids": samples["prompt_token_ids"],
+                          "response_token_ids": samples["response_token_ids"], **critic_samples}
+        count = len(critic_samples["response_token_ids"])
+        return [critic.train_step.remote(shard, global_tokens, count)
+                for critic, shard in zip(self.critics, _shard(critic_samples, len(self.critics)))]
+
     def _maybe_checkpoint(self, steps_done: int) -> Path | None:
         """After `steps_done` optimizer steps: write a checkpoint if one is due (policy version = steps_done)."""
         last = steps_done == self.end_step
@@ -186,11 +213,16 @@ class Train:
 
         tmp = self.checkpoints.begin(steps_done)
         try:
-            ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in self.workers])
+            from pipelines.checkpoint import CRITIC_DIR
+
+            ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in self.workers]
+                    + [critic.save_checkpoint.remote(str(tmp / CRITIC_DIR)) for critic in self.critics])
             if last or self.hf_export == "every":  # the policy, loadable with from_pretrained / vLLM / streamrl
                 # eval (rank 0 adds the tokenizer: it has transformers loaded already; importing it here
-                # would cost this actor seconds)
-                ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in self.workers])
+                # would cost this actor seconds); the critic beside it, loadable by operators.value.Value
+                ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in self.workers]
+                        + [critic.save_pretrained.remote(str(tmp / CRITIC_DIR / "model"), tokenizer=True)
+                           for critic in self.critics])
             ledger = pd.concat(self.ledger, ignore_index=True)
             state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger),
                      "world_size": len(self.workers)}
@@ -228,9 +260,11 @@ def _explode(rows: list[dict]) -> dict[str, list]:
     An advantage stays a float (one per response) or a list (one per response token, e.g. GAE).
     `staleness` (train_step - policy_version; 0 for a row without it) goes with every sample, and
     `ref_logprobs` (one per response token) when the rows carry that column (None for a row
-    without it: the trainer refuses a KL term then)."""
+    without it: the trainer refuses a KL term then); `returns` and `old_values` (the Value
+    stage's `values`), one per response token, when the rows carry returns (for the critic)."""
     samples = defaultdict(list)
     with_ref = any(row.get("ref_logprobs") is not None for row in rows)
+    with_returns = all(row.get("returns") is not None for row in rows)
     for row in rows:
         for index, response in enumerate(row["response_token_ids"]):
             samples["prompt_token_ids"].append(list(row["prompt_token_ids"]))
@@ -243,6 +277,9 @@ def _explode(rows: list[dict]) -> dict[str, list]:
             if with_ref:
                 refs = row.get("ref_logprobs")
                 samples["ref_logprobs"].append(None if refs is None else [float(v) for v in refs[index]])
+            if with_returns:
+                samples["returns"].append([float(v) for v in row["returns"][index]])
+                samples["old_values"].append([float(v) for v in row["values"][index]])
     return dict(samples)
 
 
@@ -256,7 +293,7 @@ def _generate_intervals(rows: list[dict]) -> list[tuple[str, float, float]]:
 
 
 def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:
-    size = len(samples["advantages"]) // world_size  # config validation makes this exact
+    size = len(samples["response_token_ids"]) // world_size  # config validation makes this exact
     return [{key: values[rank * size:(rank + 1) * size] for key, values in samples.items()} for rank in range(world_size)]
 
 
@@ -274,7 +311,10 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
             table[column] = None
     for column in ("responses", "response_lengths", "rewards", "advantages"):
         table[column] = table[column].map(list)
-    return table[ROLLOUT_COLUMNS]
+    critic = [column for column in CRITIC_COLUMNS if column in table.columns]
+    for column in set(critic) - {"critic_version"}:
+        table[column] = table[column].map(lambda cell: [[float(v) for v in response] for response in cell])
+    return table[ROLLOUT_COLUMNS + critic]
 
 
 def _ledger_rows(table: pd.DataFrame, trained: bool) -> pd.DataFrame:
@@ -334,6 +374,30 @@ def _rank_metrics(results: list[dict]) -> dict:
     merged["time_publish"] = float(results[0]["publish_seconds"])
     merged["nonfinite_skipped"] = int(max(r.get("nonfinite_skipped", 0) for r in results))
     return merged
+
+
+def _critic_metrics(results: list[dict], rows: list[dict]) -> dict:
+    """The critic's step: its ranks' loss statistics (token-weighted), and over every response token of
+    the step the values it was trained from, the return targets and how much of their variance the
+    values explain (1 - Var(R - V) / Var(R): 1 is perfect, 0 no better than a constant)."""
+    tokens = np.array([r["num_tokens"] for r in results], dtype=float)
+    weights = tokens / max(tokens.sum(), 1.0)
+    values = np.concatenate([np.asarray(v, dtype=float) for row in rows for v in row["values"]] or [np.zeros(0)])
+    returns = np.concatenate([np.asarray(v, dtype=float) for row in rows for v in row["returns"]] or [np.zeros(0)])
+    variance = returns.var() if returns.size else 0.0
+    return {
+        **{key: float(sum(w * r[key] for w, r in zip(weights, results)))
+           for key in ("value_loss", "value_clip_fraction") if key in results[0]},
+        "explained_variance": float(1.0 - (returns - values).var() / variance) if variance > 0 else float("nan"),
+        "value_mean": float(values.mean()) if values.size else float("nan"),
+        "return_mean": float(returns.mean()) if returns.size else float("nan"),
+        "critic_version": int(min(int(row["critic_version"]) for row in rows)),  # the oldest critic of the step
+        "critic_grad_norm": float(results[0]["grad_norm"]),
+        "critic_nonfinite_skipped": int(max(r["nonfinite_skipped"] for r in results)),
+        "time_value": float(sum(row.get("time_value", 0.0) for row in rows)),
+        "time_critic": float(max(r["train_seconds"] for r in results)),
+        "time_critic_publish": float(results[0]["publish_seconds"]),
+    }
 
 
 def _timing_metrics(rows: list[dict], waited: float, start: float, end: float) -> dict:

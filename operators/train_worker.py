@@ -111,6 +111,11 @@ class TrainerSettings:
 
 
 class TrainWorker:
+    # What this rank trains, for messages: its role and the config section that sets it up.
+    ROLE, SECTION = "policy", "train"
+    # Per-token sample columns every sample must have (one float per response, or one per token).
+    PER_TOKEN = ("behavior_logprobs", "advantages")
+
     def __init__(
         self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str | None
     ):
@@ -124,7 +129,6 @@ class TrainWorker:
         import deepspeed
         import ray
         import torch
-        from transformers import AutoModelForCausalLM
 
         # No JIT-compiled ops: the shared-memory comm op and fused Adam each cost 20-40 s to build on CPU.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -133,10 +137,7 @@ class TrainWorker:
         deepspeed.init_distributed(dist_backend="gloo")
         self.torch, self.deepspeed = torch, deepspeed
         self.rank, self.world_size, self.settings = rank, world_size, settings
-        model = AutoModelForCausalLM.from_pretrained(
-            settings.model_path, local_files_only=True, dtype=torch.float32,
-            trust_remote_code=settings.trust_remote_code,
-        )
+        model = self._build_model(settings)
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
@@ -161,6 +162,15 @@ class TrainWorker:
         self.joins_publish = policy_store is not None and (rank == 0 or settings.zero_stage == 3)
         self.version = 0
 
+    def _build_model(self, settings: TrainerSettings):
+        """The module this rank trains (fp32); a subclass may put another head on the backbone."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            settings.model_path, local_files_only=True, dtype=self.torch.float32,
+            trust_remote_code=settings.trust_remote_code,
+        )
+
     def ready(self) -> dict:
         """Where this rank runs (tests check placement)."""
         import ray
@@ -176,7 +186,7 @@ class TrainWorker:
         sequences = [list(p) + list(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
         width = max(len(seq) for seq in sequences)
         batch = len(sequences)
-        per_token = ["behavior_logprobs", "advantages"] + [  # optional columns, when every sample has them
+        per_token = list(self.PER_TOKEN) + [  # optional columns, when every sample has them
             key for key in ("proximal_logprobs", "ref_logprobs")
             if samples.get(key) is not None and all(value is not None for value in samples[key])]
         out = {
@@ -222,7 +232,7 @@ class TrainWorker:
         """Sample indices per micro-batch: sorted by length, cut so that no micro-batch pads to more
         than `micro_batch_tokens` tokens (0: one batch, in arrival order). On long-tailed response
         lengths this removes most padding: short responses no longer pad to the longest one."""
-        count = len(samples["advantages"])
+        count = len(samples["response_token_ids"])
         budget = self.settings.micro_batch_tokens
         if not budget:
             return [list(range(count))] if count else []
@@ -257,7 +267,7 @@ class TrainWorker:
     def _proximal_logprobs(self, samples: dict) -> list[np.ndarray]:
         """pi_prox: this rank's log-probs of every response token before the step's first update
         (no grad), one array per sample; needed when the step takes several optimizer steps."""
-        proximal = [None] * len(samples["advantages"])
+        proximal = [None] * len(samples["response_token_ids"])
         with self.torch.no_grad():
             for indices in self.micro_batches(samples):
                 batch = self._batch_tensors(self._subset(samples, indices))
@@ -443,9 +453,9 @@ class TrainWorker:
         bad = [name for name, array in weights.items() if not np.isfinite(array).all()]
         if bad:  # never hand NaN weights to the generators (or to a checkpoint)
             raise NonFiniteError(
-                f"policy version {self.version} has non-finite weights ({', '.join(bad[:3])}"
+                f"{self.ROLE} version {self.version} has non-finite weights ({', '.join(bad[:3])}"
                 f"{' ...' if len(bad) > 3 else ''}); it was not published. Resume from the last checkpoint "
-                "with a lower train.lr or train.grad_clip"
+                f"with a lower {self.SECTION}.lr or {self.SECTION}.grad_clip"
             )
         weights_ref = ray.put(weights)
         ray.get(self.store.publish.remote(self.version, [weights_ref]))

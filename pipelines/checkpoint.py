@@ -7,6 +7,8 @@ One folder per run, one per checkpoint:
         step_000004/             a checkpoint after 4 optimizer steps (policy version 4)
             engine/              DeepSpeed engine state of every rank: model, optimizer, scheduler
             rng/rank_N.json      torch / numpy / python RNG states of rank N
+            critic/              PPO with a critic: the critic ranks' engine/ and rng/ (and model/, a
+                                 Hugging Face export, when the policy has one)
             ledger.parquet       the data cursor: every group trained so far (step, group, prompt id, version)
             state.json           step, policy version, run id, dataset digest, config digest
             MANIFEST.json        size and sha256 of every file above; written last
@@ -39,6 +41,7 @@ LEDGER = "ledger.parquet"
 RUN_FILE = "run.json"
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
+CRITIC_DIR = "critic"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # `used`: the group was in its step's update (dynamic sampling leaves some out, `dropped` says why:
 # zero_variance or surplus); `trained`: the step's update was applied (not skipped for a non-finite loss).

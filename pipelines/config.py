@@ -73,20 +73,25 @@ class ModelConfig(_Section):
     @field_validator("path")
     @classmethod
     def _model_exists(cls, path: str) -> str:
-        if path.startswith(BUILTIN_MODEL_PREFIX):
-            name = path[len(BUILTIN_MODEL_PREFIX):]
-            if name not in BUILTIN_MODELS:
-                raise ValueError(f"unknown builtin model {name!r}; use one of {list(BUILTIN_MODELS)}")
-            return path
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise ValueError(
-                f"model folder {path!r} does not exist; give a local folder made by save_pretrained "
-                "(hub names are not downloaded) or 'builtin:tiny-arith'"
-            )
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"{path!r} has no config.json; point model.path at a folder made by save_pretrained")
-        return str(folder.resolve())
+        return _model_folder(path, "model.path")
+
+
+def _model_folder(path: str, field_name: str) -> str:
+    """A builtin model name, or a local save_pretrained folder (resolved); ValueError otherwise."""
+    if path.startswith(BUILTIN_MODEL_PREFIX):
+        name = path[len(BUILTIN_MODEL_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"unknown builtin model {name!r}; use one of {list(BUILTIN_MODELS)}")
+        return path
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(
+            f"model folder {path!r} does not exist; give a local folder made by save_pretrained "
+            "(hub names are not downloaded) or 'builtin:tiny-arith'"
+        )
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{path!r} has no config.json; point {field_name} at a folder made by save_pretrained")
+    return str(folder.resolve())
 
 
 class DataConfig(_Section):
@@ -260,7 +265,16 @@ class RewardConfig(_Section):
 class AlgorithmConfig(_Section):
     advantage: str = Field(
         "grpo", description="Advantage estimator: grpo, grpo_no_std, dr_grpo, rloo, reinforce_pp_baseline "
-        "(REINFORCE++: group baseline, then whitened over the whole train step)."
+        "(REINFORCE++: group baseline, then whitened over the whole train step), or gae (PPO with a critic: "
+        "per-token advantages from the critic's values; needs the critic section)."
+    )
+    gamma: float = Field(1.0, description="gae: discount per response token, in [0, 1].")
+    gae_lambda: float = Field(
+        1.0, description="gae: lambda in [0, 1]; 1 is the return minus the value baseline, 0 the one-step TD error."
+    )
+    gae_whiten: bool = Field(
+        True, description="gae: whiten the advantages over the whole train step (every token of every group, "
+        "every rank) before training on them; the return targets are not whitened."
     )
     policy_loss: str = Field(
         "ppo_clip", description="Policy loss: ppo_clip (trust region centred on the behaviour policy, 'naive' "
@@ -338,6 +352,13 @@ class AlgorithmConfig(_Section):
             raise ValueError(f"{value} is negative; use 0 (off) or a positive value")
         return value
 
+    @field_validator("gamma", "gae_lambda")
+    @classmethod
+    def _unit_interval(cls, value: float) -> float:
+        if not 0 <= value <= 1:
+            raise ValueError(f"{value} is outside [0, 1]; use e.g. 1.0 (gamma) or 0.95 (gae_lambda)")
+        return value
+
     @field_validator("kl_estimator")
     @classmethod
     def _known_kl(cls, name: str) -> str:
@@ -362,9 +383,11 @@ class AlgorithmConfig(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, name: str) -> str:
-        from operators.advantage import ADVANTAGE_ESTIMATORS
+        from operators.advantage import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS
 
-        ADVANTAGE_ESTIMATORS.get(name) if name in ADVANTAGE_ESTIMATORS else _unknown(name, ADVANTAGE_ESTIMATORS)
+        if name not in ADVANTAGE_ESTIMATORS and name not in TOKEN_ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {name!r}; use one of "
+                             f"{ADVANTAGE_ESTIMATORS.names() + TOKEN_ESTIMATORS.names()}")
         return name
 
     @field_validator("policy_loss")
@@ -464,6 +487,42 @@ class TrainConfig(_Section):
     max_nan_skips: int = Field(
         10, ge=0, description="With nan_policy: skip, fail the job after this many skipped steps in a run."
     )
+
+
+class CriticConfig(_Section):
+    model_path: Optional[str] = Field(
+        None, description="The value model's backbone: a local save_pretrained folder sharing the policy's "
+        "tokenizer, or 'builtin:tiny-arith'; a scalar head is put on it. Default: model.path."
+    )
+    lr: float = Field(1e-3, gt=0, description="The critic's AdamW learning rate.")
+    grad_clip: float = Field(1.0, gt=0, description="The critic's gradient norm clipping threshold.")
+    value_clip: float = Field(
+        0.2, description="PPO value clipping (> 0): a step's new value counts at most this far from the value "
+        "the Value stage predicted (the loss is the larger of the clipped and unclipped squared errors)."
+    )
+    world_size: int = Field(1, ge=1, description="DeepSpeed ranks (Ray actors) in the critic group.")
+    zero_stage: int = Field(0, ge=0, le=3, description="The critic's DeepSpeed ZeRO stage 0-3 (fp32).")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per critic rank.")
+    num_gpus: GpuCount = Field(0, description="GPUs reserved per critic rank.")
+    resources: CustomResources = Field(default_factory=dict, description="Custom Ray resources per critic rank.")
+    placement: Literal["NONE", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "NONE", description="How the critic ranks are placed (as train.placement)."
+    )
+    placement_timeout_s: float = Field(300, gt=0, description="As train.placement_timeout_s, for the critic group.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per critic rank and in the Value stage.")
+    value_num_cpus: float = Field(0.05, gt=0, description="CPUs reserved for the Value stage's actor.")
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_exists(cls, path: str | None) -> str | None:
+        return None if path is None else _model_folder(path, "critic.model_path")
+
+    @field_validator("value_clip")
+    @classmethod
+    def _positive_clip(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"{value} would freeze the critic (no value may move); use a clip > 0, e.g. 0.2")
+        return value
 
 
 class TrackingConfig(_Section):
@@ -590,6 +649,10 @@ class JobConfig(_Section):
         None, description="A frozen reference policy: the RefLogprob stage adds its log-probs of every response "
         "token (ref_logprobs) for KL to the reference (algorithm.kl_coef); unset: no reference stage."
     )
+    critic: Optional[CriticConfig] = Field(
+        None, description="PPO's value model, trained by its own DeepSpeed group (algorithm.advantage: gae; "
+        "unset: no critic)."
+    )
     output_dir: str = Field("runs", description="Folder for the MLflow database, rollouts and checkpoints.")
 
     @model_validator(mode="after")
@@ -643,6 +706,7 @@ class JobConfig(_Section):
                     f"algorithm.{coef}: KL to a reference needs the reference log-probs; add a `reference:` "
                     "section (`reference: {}` uses the starting policy) or set the coefficient to 0"
                 )
+        problems += self._critic_problems(samples)
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         if self.ray.cluster is not None:
@@ -657,6 +721,31 @@ class JobConfig(_Section):
         if not self.algorithm.dynamic_sampling:
             return self.train.groups_per_step
         return self.algorithm.dynamic_sampling_groups or 2 * self.train.groups_per_step
+    def _critic_problems(self, samples: int) -> list[str]:
+        from operators.advantage import TOKEN_ESTIMATORS
+
+        token_level = self.algorithm.advantage in TOKEN_ESTIMATORS
+        if token_level and self.critic is None:
+            return [f"algorithm.advantage: {self.algorithm.advantage} computes advantages from a critic's values, "
+                    "and the config has no critic section; add one (critic: {lr: 0.001}) or use an outcome "
+                    "estimator such as grpo"]
+        if self.critic is None:
+            return []
+        if not token_level:
+            return [f"critic: algorithm.advantage: {self.algorithm.advantage} computes advantages from the rewards "
+                    "alone and never reads a value, so the critic would be trained for nothing; use "
+                    "algorithm.advantage: gae, or remove the critic section"]
+        if self.critic.model_path is None:
+            self.critic.model_path = self.model.path
+        if samples % self.critic.world_size:
+            return [f"critic.world_size: {samples} samples per step (groups_per_step x rollout.n) do not split "
+                    f"evenly over {self.critic.world_size} ranks; pick a world_size that divides {samples}"]
+        per_rank = samples // self.critic.world_size
+        if per_rank % self.train.mini_batches:
+            return [f"critic.world_size: the critic takes train.mini_batches={self.train.mini_batches} optimizer "
+                    f"steps per pass, which does not divide its {per_rank} samples per rank; pick a world_size "
+                    "that leaves a multiple of train.mini_batches per rank"]
+        return []
 
     def tracking_uri(self) -> str:
         return self.tracking.uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"

@@ -3,7 +3,8 @@
     schedule (prompt groups, each tagged with the train step it will feed)
       -> Generate   actor pool; admission-gated on the policy store (>= step - max_staleness)
       -> Reward     actor pool; weighted reward functions, failures contained
-      -> Advantage  group-relative estimator
+      -> [Value]    PPO with a critic: per-token values from the critic store (its own DeepSpeed group)
+      -> Advantage  group-relative estimator, or GAE from the values
       -> Train      buffers a step's groups, steps the DeepSpeed group, publishes weights
       -> one row of metrics + rollouts per step -> MLflow, terminal
     beside it (eval set): an evaluator actor scores held-out prompts with retained policy versions
@@ -33,7 +34,8 @@ from operators.generate import Generate
 from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
 from operators.train import Train
-from pipelines.checkpoint import LEDGER, CheckpointDir, dataset_digest
+from operators.value import Value
+from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, dataset_digest
 from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
@@ -45,7 +47,9 @@ from pipelines.resume import (
     AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
 )
 from pipelines.timeline import overlap_report
-from pipelines.trainer_group import advantage_options, start_trainer_group, stop_trainer_group, train_options
+from pipelines.trainer_group import (
+    advantage_options, critic_model_path, start_critic_group, start_trainer_group, stop_trainer_group, train_options,
+)
 
 
 @dataclass
@@ -97,10 +101,12 @@ def engine_options(cfg: JobConfig, engine: str | None = None) -> dict:
 def build_rl_dataset(
     schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers,
     remote_args: dict[str, dict] | None = None, first_step: int = 0, checkpoint_options: dict | None = None,
+    critics=None,
 ) -> ray.data.Dataset:
     """The DAG. `remote_args` adds Ray options per stage ("generate", "reward"), e.g.
     {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}. `schedule` starts at
-    `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on."""
+    `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
+    critic group (start_critic_group) when the config has a critic."""
     remote_args = remote_args or {}
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
@@ -141,6 +147,15 @@ def build_rl_dataset(
             compute=ActorPoolStrategy(size=ref.num_actors), num_cpus=ref.num_cpus, batch_size=None,
             batch_format="pandas", **remote_args.get("reference", {}),
         )
+    if critics is not None:
+        ds = ds.map_batches(
+            Value,
+            fn_constructor_kwargs=dict(model_path=critics.model_path, value_store=critics.store_name,
+                                       torch_threads=cfg.critic.torch_threads,
+                                       trust_remote_code=cfg.model.trust_remote_code),
+            compute=ActorPoolStrategy(size=1), num_cpus=cfg.critic.value_num_cpus, batch_size=None,
+            batch_format="pandas",
+        )
     ds = ds.map_batches(
         Advantage, fn_constructor_kwargs=advantage_options(cfg),
         compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
@@ -151,7 +166,7 @@ def build_rl_dataset(
             workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
             generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
             first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
-            **(checkpoint_options or {}),
+            critics=list(critics or []), **(checkpoint_options or {}),
         ),
         # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
         # last checkpoint instead (run_job).
@@ -368,10 +383,17 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
     store = create_policy_store(store_name, retain=tuple(evaluation.versions(first)))
     evaluator = evaluation.start(store_name, first, progress.echo)
     workers, placement = start_trainer_group(cfg, model_path, store_name)
+    critics, value_store = None, None
     try:
+        if cfg.critic is not None:  # its own store; version -1 until rank 0 publishes the initialised critic
+            value_store_name = f"streamrl-critic-{uuid.uuid4().hex[:8]}"
+            value_store = create_policy_store(value_store_name, initial_version=-1)
+            critics, _ = start_critic_group(cfg, critic_model_path(cfg, model_path), value_store_name)
         tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
         if checkpoint is not None:  # rank 0 publishes the checkpoint's weights before any generator asks
-            ray.get([worker.load_checkpoint.remote(str(checkpoint.path), checkpoint.step) for worker in workers])
+            ray.get([worker.load_checkpoint.remote(str(checkpoint.path), checkpoint.step) for worker in workers]
+                    + [critic.load_checkpoint.remote(str(checkpoint.path / CRITIC_DIR), checkpoint.step)
+                       for critic in critics or []])
         frames = [frame for frame in schedule if int(frame["train_step"].iloc[0]) >= first]
         options = dict(
             checkpoint_root=str(run_dir.root), checkpoint_every=cfg.train.checkpoint_every,
@@ -380,7 +402,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
             max_nan_skips=cfg.train.max_nan_skips, hf_export=cfg.train.checkpoint_hf_export,
         )
         ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
-                              first_step=first, checkpoint_options=options)
+                              first_step=first, checkpoint_options=options, critics=critics)
         failure = None
         try:
             for row in iter_steps(ds):
@@ -406,6 +428,10 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
             evaluator.close()
         stop_trainer_group(workers)
         ray.kill(store)
+        if critics is not None:
+            stop_trainer_group(critics)
+        if value_store is not None:
+            ray.kill(value_store)
     if failure is not None:
         del ds
         gc.collect()  # the failed DAG's actor handles sit in reference cycles: free them now

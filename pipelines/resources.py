@@ -67,6 +67,10 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
         **({"reference": Demand("reference", cfg.reference.num_actors, _actor(
             cfg.reference.num_cpus, cfg.reference.num_gpus, cfg.reference.resources))}
            if cfg.reference is not None else {}),
+        **({"critic": Demand("critic", cfg.critic.world_size,
+                             _actor(cfg.critic.num_cpus, cfg.critic.num_gpus, cfg.critic.resources)),
+            "value": Demand("value", 1, _actor(cfg.critic.value_num_cpus, 0, {}))}
+           if cfg.critic is not None else {}),
     }
 
 

@@ -29,6 +29,8 @@ MAY_CHANGE = (
     "eval",  # held-out evaluation reads the policy, never changes it
     "reference.num_actors", "reference.num_cpus", "reference.num_gpus", "reference.resources",
     "reference.torch_threads", "reference.micro_batch_tokens",
+    "critic.num_cpus", "critic.num_gpus", "critic.resources", "critic.placement", "critic.placement_timeout_s",
+    "critic.torch_threads", "critic.value_num_cpus",
 )
 
 # Ray errors that mean a process died (not that the code is wrong): a restart can fix them.

@@ -6,6 +6,9 @@ cluster that cannot hold the whole group fails the job with a clear error instea
 half-starting it. The ranks then meet at rank 0's node (its IP, a port free there); rank
 0 goes on the driver's node when a bundle landed there, so the checkpoint it writes is on
 the driver's disk. `NONE` schedules ranks one by one and meets on 127.0.0.1: one machine only.
+
+The critic group of PPO with GAE (config section `critic`) is started the same way, with
+its own section's world size, resources and placement, and publishes to its own store.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ from ray.util.scheduling_strategies import (
 from operators.advantage import STEP_WHITENED
 from operators.correction import CorrectionSettings
 from operators.train_worker import TrainerSettings, TrainWorker
-from pipelines.config import JobConfig
+from operators.value_worker import ValueWorker
+from pipelines.config import JobConfig, ModelConfig
 
 
 class TrainerGroup(list):
-    """The rank actors, in rank order, plus the placement group holding them (or None)."""
+    """The rank actors, in rank order, plus the placement group holding them (or None); a critic
+    group also carries its model folder and the name of its store."""
 
     placement_group = None
+    model_path: str | None = None
+    store_name: str | None = None
 
 
 def _free_port() -> int:
@@ -71,35 +78,60 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
     )
 
 
+def critic_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
+    """The critic's DeepSpeed settings: its own section's, and the policy's update schedule."""
+    return TrainerSettings(
+        model_path=model_path, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, zero_stage=cfg.critic.zero_stage,
+        seed=cfg.train.seed, torch_threads=cfg.critic.torch_threads, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        nan_policy=cfg.train.nan_policy, zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
+        trust_remote_code=cfg.model.trust_remote_code, ppo_epochs=cfg.train.ppo_epochs,
+        mini_batches=cfg.train.mini_batches,
+    )
+
+
+def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
+    """The critic's local folder (`policy_path`, already resolved, when it is the policy's model)."""
+    if cfg.critic.model_path == cfg.model.path:
+        return policy_path
+    from pipelines.grpo import resolve_model_path
+
+    return resolve_model_path(ModelConfig(path=cfg.critic.model_path, trust_remote_code=cfg.model.trust_remote_code))
+
+
 def advantage_options(cfg: JobConfig) -> dict:
     """Constructor arguments of the Advantage operator (operators.advantage)."""
-    return {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.rollout.max_new_tokens,
-            "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
-            "kl_reward_coef": cfg.algorithm.kl_reward_coef}
+    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.rollout.max_new_tokens,
+               "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
+               "kl_reward_coef": cfg.algorithm.kl_reward_coef}
+    if cfg.critic is not None:  # a token estimator (config validation)
+        options.update(gamma=cfg.algorithm.gamma, gae_lambda=cfg.algorithm.gae_lambda)
+    return options
 
 
 def train_options(cfg: JobConfig) -> dict:
     """The algorithm's constructor arguments of the Train operator (operators.train)."""
-    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED}
+    gae_whitened = cfg.critic is not None and cfg.algorithm.gae_whiten
+    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED or gae_whitened}
 
 
-def _reserve(cfg: JobConfig):
+def _reserve(section, name: str):
     """Reserve one bundle per rank; return the group and its bundle indices in rank order."""
-    bundle = {"CPU": cfg.train.num_cpus, "GPU": cfg.train.num_gpus, **cfg.train.resources}
+    role = {"train": "trainer"}.get(name, name)
+    bundle = {"CPU": section.num_cpus, "GPU": section.num_gpus, **section.resources}
     bundle = {key: amount for key, amount in bundle.items() if amount}
-    group = placement_group([bundle] * cfg.train.world_size, strategy=cfg.train.placement)
-    ready, _ = ray.wait([group.ready()], timeout=cfg.train.placement_timeout_s)
+    group = placement_group([bundle] * section.world_size, strategy=section.placement)
+    ready, _ = ray.wait([group.ready()], timeout=section.placement_timeout_s)
     if not ready:
         remove_placement_group(group)
         raise TimeoutError(
-            f"train.placement: the cluster found no room for {cfg.train.world_size} trainer rank(s) of {bundle} "
-            f"({cfg.train.placement}) within train.placement_timeout_s={cfg.train.placement_timeout_s:g}; "
-            f"free now: {ray.available_resources()}. Lower train.world_size or its resources, or add nodes"
+            f"{name}.placement: the cluster found no room for {section.world_size} {role} rank(s) of {bundle} "
+            f"({section.placement}) within {name}.placement_timeout_s={section.placement_timeout_s:g}; "
+            f"free now: {ray.available_resources()}. Lower {name}.world_size or its resources, or add nodes"
         )
     nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
     here = ray.get_runtime_context().get_node_id()
     # Rank 0 writes the checkpoint: keep it on the driver's node when a bundle is there.
-    order = sorted(range(cfg.train.world_size), key=lambda index: (nodes[index] != here, index))
+    order = sorted(range(section.world_size), key=lambda index: (nodes[index] != here, index))
     return group, order, nodes[order[0]]
 
 
@@ -116,29 +148,40 @@ def start_trainer_group(cfg: JobConfig, model_path: str, policy_store: str) -> t
     """Create the ranks, wait until every one has initialised DeepSpeed; return handles and placement.
 
     Stop it with `stop_trainer_group`, which also frees the placement group."""
-    settings = trainer_settings(cfg, model_path)
+    return _start_group(cfg.train, "train", TrainWorker, (trainer_settings(cfg, model_path), policy_store))
+
+
+def start_critic_group(cfg: JobConfig, model_path: str, value_store: str) -> tuple[TrainerGroup, list[dict]]:
+    """The critic's ranks (operators.value_worker.ValueWorker), publishing to the store `value_store`
+    (create it with initial_version=-1: rank 0 publishes the freshly initialised critic as version 0)."""
+    workers, placement = _start_group(cfg.critic, "critic", ValueWorker,
+                                      (critic_settings(cfg, model_path), value_store, cfg.critic.value_clip))
+    workers.model_path, workers.store_name = model_path, value_store
+    return workers, placement
+
+
+def _start_group(section, name: str, worker_class, args: tuple) -> tuple[TrainerGroup, list[dict]]:
+    """`section.world_size` ranks of `worker_class(rank, world_size, port, *args)` (section: train or critic)."""
     workers = TrainerGroup()
-    env = {"DS_ACCELERATOR": "cuda" if cfg.train.num_gpus else "cpu"}
-    options = [{} for _ in range(cfg.train.world_size)]
-    actor = ray.remote(TrainWorker)
+    env = {"DS_ACCELERATOR": "cuda" if section.num_gpus else "cpu"}
+    options = [{} for _ in range(section.world_size)]
+    actor = ray.remote(worker_class)
     common = {
-        "num_cpus": cfg.train.num_cpus, "num_gpus": cfg.train.num_gpus, "resources": cfg.train.resources or None,
+        "num_cpus": section.num_cpus, "num_gpus": section.num_gpus, "resources": section.resources or None,
         "max_concurrency": 1, "runtime_env": {"env_vars": env},
     }
     try:
-        if cfg.train.placement == "NONE":
+        if section.placement == "NONE":
             port = _free_port()
         else:
-            workers.placement_group, order, rank0_node = _reserve(cfg)
+            workers.placement_group, order, rank0_node = _reserve(section, name)
             env["STREAMRL_MASTER_ADDR"], port = _rendezvous_on(rank0_node)
             options = [
                 {"scheduling_strategy": PlacementGroupSchedulingStrategy(workers.placement_group, bundle_index)}
                 for bundle_index in order
             ]
-        for rank in range(cfg.train.world_size):
-            workers.append(
-                actor.options(**common, **options[rank]).remote(rank, cfg.train.world_size, port, settings, policy_store)
-            )
+        for rank in range(section.world_size):
+            workers.append(actor.options(**common, **options[rank]).remote(rank, section.world_size, port, *args))
         placement = ray.get([worker.ready.remote() for worker in workers])
     except BaseException:  # no half-started group, no reserved bundles left behind
         stop_trainer_group(workers)

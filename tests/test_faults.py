@@ -8,7 +8,7 @@
 
 Every time the final checkpoint's ledger must hold each prompt of the epoch exactly once,
 each step its groups, and the staleness bound; at max_staleness 0 the resumed run's final
-weights must equal an uninterrupted run's.
+weights must equal an uninterrupted run's (the critic's too, for PPO with a critic).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def overrides(output_dir: Path, **extra) -> list[str]:
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def config(output_dir: Path, **extra):
-    return load_config(ROOT / "configs" / "tiny_grpo.yaml", overrides(output_dir, **extra))
+def config(output_dir: Path, config_file: str = "tiny_grpo.yaml", **extra):
+    return load_config(ROOT / "configs" / config_file, overrides(output_dir, **extra))
 
 
 def final_ledger(output_dir: Path, run_id: str) -> pd.DataFrame:
@@ -97,15 +97,16 @@ def sigkill(pids: list[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_cluster, tmp_path):
+@pytest.mark.parametrize("config_file", ["tiny_grpo.yaml", "tiny_ppo.yaml"])
+def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_cluster, tmp_path, config_file):
     # The reference: the same job, uninterrupted, in this process.
-    reference = run_job(config(tmp_path / "reference", **{"train.max_staleness": 0}))
+    reference = run_job(config(tmp_path / "reference", config_file, **{"train.max_staleness": 0}))
     # The same job as a user runs it, its driver killed with SIGKILL at a random step.
     seed = int(os.environ.get("STREAMRL_FAULT_SEED", time.time()))
     kill_after = random.Random(seed).randint(3, STEPS - 1)
     print(f"fault seed {seed}: SIGKILL the driver once it reports step {kill_after}/{STEPS}")
     out = tmp_path / "killed"
-    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
+    argv = [sys.executable, "-m", "pipelines.cli", "run", f"configs/{config_file}",
             *[arg for item in overrides(out, **{"train.max_staleness": 0}) for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -153,6 +154,18 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
     # update (lr 1e-3 per element) and would catch any step trained twice, skipped or reordered.
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=name)
+    if config_file == "tiny_ppo.yaml":  # the critic was restored from the checkpoint, not trained afresh
+        critic = Path("critic") / "model" / "model.safetensors"
+        expected = load_file(str(reference.checkpoint / critic))
+        got = load_file(str(CheckpointDir.of_run(out, run_id).latest_valid().path / critic))
+        assert expected.keys() == got.keys() and "score.weight" in expected
+        assert any(not np.array_equal(start[name], expected[name]) for name in start if name in expected)
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=f"critic {name}")
+        history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "critic_version")
+        # staleness 0: every group of step s was valued by critic version s, in both attempts (a step the
+        # killed driver had logged after its last checkpoint is logged again by the resumed one)
+        assert {(m.step, m.value) for m in history} == {(step, float(step)) for step in range(STEPS)}
 
 
 def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):

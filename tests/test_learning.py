@@ -88,3 +88,20 @@ def test_tiny_grpo_learns_with_vllm_engine(ray_cluster, tmp_path):
     assert list(held.index) == cfg.eval.versions(cfg.train.steps)
     assert held.loc[cfg.train.steps, "eval/success_rate"] > held.loc[0, "eval/success_rate"]
     assert held["eval/greedy_success_rate"].notna().all()
+
+
+@pytest.mark.slow
+def test_tiny_ppo_with_a_critic_learns(ray_cluster, tmp_path):
+    """PPO with a critic and GAE (configs/tiny_ppo.yaml): the policy learns the task and the critic
+    learns to predict the returns (its values explain more of their variance at the end)."""
+    cfg = load_config(ROOT / "configs" / "tiny_ppo.yaml", [f"output_dir={tmp_path}"])
+    result = run_job(cfg)
+    success = result.metrics["success_rate"]
+    first, last = success.head(10).mean(), success.tail(10).mean()
+    assert last - first >= 0.3, f"success rate {first:.3f} -> {last:.3f}"
+    assert (result.metrics["staleness_max"] <= cfg.train.max_staleness).all()
+    explained = result.metrics["explained_variance"]
+    assert explained.tail(10).mean() > explained.head(10).mean(), explained.tolist()
+    # Every group was valued by a critic at least as new as the policy that sampled it (the Value stage's gate).
+    assert (result.metrics["critic_version"] >= result.metrics["step"] - cfg.train.max_staleness).all()
+    assert (result.checkpoint / "critic" / "model" / "model.safetensors").is_file()

@@ -1,0 +1,109 @@
+"""One DeepSpeed rank of the critic group: the value model of PPO with GAE, run as a Ray actor.
+
+The critic is the policy's backbone with a scalar head (`AutoModelForTokenClassification`,
+num_labels=1, loaded from the critic folder, which initialises the head). It is a
+`TrainWorker` with another model and loss: the DeepSpeed set-up, mini/micro-batching,
+publishing, checkpoints and RNG states are the policy rank's, so both read the same.
+
+Each train step fits the values of the step's response tokens to their GAE return targets
+with PPO's clipped value loss around the values the Value stage predicted
+(operators.losses.clipped_value_loss), token-mean over the step's response tokens on all
+ranks, in `ppo_epochs x mini_batches` optimizer steps drawn like the policy's. Rank 0 then
+publishes the critic to its own store as version v + 1, matching the policy version.
+"""
+
+from __future__ import annotations
+
+import time
+
+from operators.train_worker import NonFiniteError, TrainerSettings, TrainWorker, _StatSums
+
+
+class ValueWorker(TrainWorker):
+    ROLE, SECTION = "critic", "critic"
+    PER_TOKEN = ("returns", "old_values")
+
+    def __init__(self, rank: int, world_size: int, master_port: int, settings: TrainerSettings,
+                 value_store: str | None, value_clip: float = 0.2):
+        """`value_store`: the critic's store (a PolicyStore created with initial_version=-1). The head
+        is initialised here, not in the folder, so rank 0 publishes it as version 0: the Value stage
+        takes every critic version, the first included, from the store."""
+        self.value_clip = value_clip
+        super().__init__(rank, world_size, master_port, settings, value_store)
+        if self.joins_publish:
+            self._publish()
+
+    def _build_model(self, settings: TrainerSettings):
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        config = AutoConfig.from_pretrained(settings.model_path, num_labels=1, local_files_only=True,
+                                            trust_remote_code=settings.trust_remote_code)
+        # No dropout before the head (HF's default is 0.1): the values trained here must be the values the
+        # Value stage (eval mode) computes with the same weights.
+        config.classifier_dropout = 0.0
+        return AutoModelForTokenClassification.from_pretrained(
+            settings.model_path, config=config, local_files_only=True, dtype=self.torch.float32,
+            trust_remote_code=settings.trust_remote_code,
+        )
+
+    def values(self, batch: dict):
+        """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask)."""
+        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
+
+    def _loss(self, part: dict, global_tokens: float):
+        """Summed clipped value loss of one mini-batch (micro-batches share one backward), divided by this
+        rank's share of the global token count, so DeepSpeed's average over ranks is the token mean."""
+        from operators.losses import VALUE_LOSSES
+
+        loss_fn = VALUE_LOSSES.get("clipped")
+        loss, stats = 0.0, _StatSums()
+        for indices in self.micro_batches(part):
+            batch = self._batch_tensors(self._subset(part, indices))
+            mask = batch["mask"]  # [B, L-1]
+            values = self.values(batch)  # [B, L-1]
+            per_token, loss_stats = loss_fn(values, batch["old_values"], batch["returns"], mask,
+                                            value_clip=self.value_clip)  # [B, L-1]
+            tokens = float(mask.sum().item())
+            loss = loss + per_token.sum() / max(global_tokens / self.world_size, 1.0)
+            loss_stats["value_loss"] = float(per_token.detach().sum()) / max(tokens, 1.0)
+            stats.add(loss_stats, tokens)
+        return loss, stats
+
+    def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
+        """One critic step on this rank's shard (`prompt_token_ids`, `response_token_ids`, and per response
+        token `returns` and `old_values`); rank 0 then publishes version + 1."""
+        settings = self.settings
+        start = time.perf_counter()
+        self.engine.train()
+        count = len(samples["response_token_ids"])
+        if not count:
+            raise ValueError("train_step got no samples")
+        stats, losses, grad_norms, skipped = _StatSums(), [], [], False
+        for epoch in range(settings.ppo_epochs):
+            parts = self.mini_batches(count, epoch)  # the policy's draw: same seed and version
+            counts = [(global_tokens, global_sequences)] if settings.mini_batches == 1 else self._global_counts(parts, samples)
+            for part_indices, (tokens, _) in zip(parts, counts):
+                loss, part_stats = self._loss(self._subset(samples, part_indices), tokens)
+                stats.merge(part_stats)
+                losses.append(loss.item())
+                if not self._finite_everywhere(loss):
+                    skipped = True
+                    if settings.nan_policy == "stop":
+                        raise NonFiniteError(
+                            f"the value loss of critic version {self.version + 1} is {losses[-1]} on rank "
+                            f"{self.rank} (train.nan_policy: stop); lower critic.lr or check the rewards"
+                        )
+                    break
+                grad_norms.append(self._optimizer_step(loss))
+            if skipped:
+                break
+        self.version += 1
+        publish_seconds = self._publish() if self.joins_publish else 0.0
+        return {
+            "nonfinite_skipped": int(skipped),
+            "grad_norm": grad_norms[0] if grad_norms else float("nan"),
+            "num_tokens": sum(len(r) for r in samples["response_token_ids"]),
+            "train_seconds": time.perf_counter() - start - publish_seconds,
+            "publish_seconds": publish_seconds,
+            **stats.means(),
+        }
