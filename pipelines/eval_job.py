@@ -70,7 +70,7 @@ def resolve_checkpoint(target: str, step: int | None = None, output_dir: str | N
         run_dir = path
     else:
         try:
-            run_dir = find_run_dir(target, output_dir)
+            run_dir = find_run_dir(target, output_dir, instead="a checkpoint folder .../checkpoints/RUN_ID/step_NNNNNN")
         except LineageError as err:
             raise EvalError(str(err)) from None
     runs = CheckpointDir(run_dir.resolve())

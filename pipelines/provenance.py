@@ -21,8 +21,9 @@ class LineageError(Exception):
     """The run or checkpoint asked for cannot be found or read."""
 
 
-def find_run_dir(run_id: str, output_dir: str | None) -> Path:
-    """`output_dir/checkpoints/RUN_ID`; without output_dir, searched under ./runs."""
+def find_run_dir(run_id: str, output_dir: str | None, instead: str = "--checkpoint PATH") -> Path:
+    """`output_dir/checkpoints/RUN_ID`; without output_dir, searched under ./runs. `instead`: what the
+    error suggests passing instead of a run id."""
     roots = [Path(output_dir)] if output_dir else sorted({p.parent.parent for p in Path("runs").glob("**/checkpoints/*")})
     for root in roots:
         if (root / "checkpoints" / run_id).is_dir():
@@ -30,7 +31,7 @@ def find_run_dir(run_id: str, output_dir: str | None) -> Path:
     known = [p.name for root in roots for p in find_run_dirs(root)][-5:]
     where = output_dir or "./runs"
     raise LineageError(f"no run {run_id!r} under {where} (recent runs: {', '.join(known) or 'none'}); "
-                       "pass --output-dir (the job's output_dir) or --checkpoint PATH")
+                       f"pass --output-dir (the job's output_dir) or {instead}")
 
 
 def open_checkpoint(path: Path) -> Checkpoint:

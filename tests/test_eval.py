@@ -190,7 +190,8 @@ def test_eval_refuses_what_is_not_a_checkpoint_or_has_none(tmp_path, tiny_model_
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "is not a streamrl checkpoint" in refused(capsys, ["eval", str(empty)], out)
-    assert "no run 'nosuch'" in refused(capsys, ["eval", "nosuch", "--output-dir", str(out)], out)
+    err = refused(capsys, ["eval", "nosuch", "--output-dir", str(out)], out)
+    assert "no run 'nosuch'" in err and "or a checkpoint folder" in err
     run_id = fake_run(tmp_path, tiny_model_path, steps=())
     err = refused(capsys, ["eval", run_id, "--output-dir", str(out)], out)
     assert f"run {run_id} has no complete checkpoint yet" in err
