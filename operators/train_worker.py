@@ -369,29 +369,20 @@ class TrainWorker:
         updates = settings.ppo_epochs * settings.mini_batches
         if updates > 1:
             samples["proximal_logprobs"] = self._proximal_logprobs(samples)
-        stats, mismatch, losses, grad_norms, skipped = _StatSums(), [], [], [], False
-        for epoch in range(settings.ppo_epochs):
-            parts = self.mini_batches(count, epoch)
-            counts = ([(global_tokens, global_sequences)] if settings.mini_batches == 1
-                      else self._global_counts(parts, samples))
-            for part_indices, (tokens, sequences) in zip(parts, counts):
-                loss, part_stats, part_mismatch = self._loss(self._subset(samples, part_indices), tokens, sequences,
-                                                             first_epoch=epoch == 0)
-                stats.merge(part_stats)
-                mismatch += part_mismatch
-                losses.append(loss.item())
-                if not self._finite_everywhere(loss):
-                    skipped = True
-                    if settings.nan_policy == "stop":
-                        raise NonFiniteError(
-                            f"the loss of policy version {self.version + 1} is {losses[-1]} on rank {self.rank} "
-                            "(train.nan_policy: stop); no update was applied or published. Set "
-                            "train.nan_policy: skip to skip such steps, or lower train.lr"
-                        )
-                    break  # this step's remaining updates are dropped; the ones already taken stay applied
-                grad_norms.append(self._optimizer_step(loss))
-            if skipped:
-                break
+        stats, mismatch = _StatSums(), []
+
+        def loss_of(part: dict, tokens: float, sequences: float, epoch: int):
+            loss, part_stats, part_mismatch = self._loss(part, tokens, sequences, first_epoch=epoch == 0)
+            stats.merge(part_stats)
+            mismatch.extend(part_mismatch)
+            return loss
+
+        losses, grad_norms, skipped = self._updates(
+            samples, count, global_tokens, global_sequences, loss_of,
+            lambda value: f"the loss of policy version {self.version + 1} is {value} on rank {self.rank} "
+                          "(train.nan_policy: stop); no update was applied or published. Set "
+                          "train.nan_policy: skip to skip such steps, or lower train.lr",
+        )
         self.version += 1  # a skipped step still consumes its data and advances the version counter
         publish_seconds = self._publish() if self.joins_publish else 0.0
         return {
@@ -408,6 +399,28 @@ class TrainWorker:
             "mismatch": mismatch,  # merged over ranks by the Train operator (operators.correction.merge_mismatch)
             **stats.means(),
         }
+
+    def _updates(self, samples: dict, count: int, global_tokens: float, global_sequences: float, loss_of,
+                 stop_message) -> tuple[list[float], list[float], bool]:
+        """The step's optimizer steps: `ppo_epochs` passes over `mini_batches` mini-batches, each loss
+        `loss_of(part, tokens, sequences, epoch)`. A loss that is not finite on some rank ends the step
+        (the updates already taken stay applied), or raises with `stop_message(value)` under
+        nan_policy: stop. Returns the losses, the gradient norms and whether the step was cut short."""
+        settings = self.settings
+        losses, grad_norms = [], []
+        for epoch in range(settings.ppo_epochs):
+            parts = self.mini_batches(count, epoch)
+            counts = ([(global_tokens, global_sequences)] if settings.mini_batches == 1
+                      else self._global_counts(parts, samples))
+            for part_indices, (tokens, sequences) in zip(parts, counts):
+                loss = loss_of(self._subset(samples, part_indices), tokens, sequences, epoch)
+                losses.append(loss.item())
+                if not self._finite_everywhere(loss):
+                    if settings.nan_policy == "stop":
+                        raise NonFiniteError(stop_message(losses[-1]))
+                    return losses, grad_norms, True
+                grad_norms.append(self._optimizer_step(loss))
+        return losses, grad_norms, False
 
     def _optimizer_step(self, loss) -> float:
         """Backward and one DeepSpeed optimizer step; the global gradient norm before clipping.

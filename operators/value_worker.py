@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from operators.train_worker import NonFiniteError, TrainerSettings, TrainWorker, _StatSums
+from operators.train_worker import TrainerSettings, TrainWorker, _StatSums
 
 
 class ValueWorker(TrainWorker):
@@ -72,31 +72,24 @@ class ValueWorker(TrainWorker):
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
         """One critic step on this rank's shard (`prompt_token_ids`, `response_token_ids`, and per response
         token `returns` and `old_values`); rank 0 then publishes version + 1."""
-        settings = self.settings
         start = time.perf_counter()
         self.engine.train()
         count = len(samples["response_token_ids"])
         if not count:
             raise ValueError("train_step got no samples")
-        stats, losses, grad_norms, skipped = _StatSums(), [], [], False
-        for epoch in range(settings.ppo_epochs):
-            parts = self.mini_batches(count, epoch)  # the policy's draw: same seed and version
-            counts = [(global_tokens, global_sequences)] if settings.mini_batches == 1 else self._global_counts(parts, samples)
-            for part_indices, (tokens, _) in zip(parts, counts):
-                loss, part_stats = self._loss(self._subset(samples, part_indices), tokens)
-                stats.merge(part_stats)
-                losses.append(loss.item())
-                if not self._finite_everywhere(loss):
-                    skipped = True
-                    if settings.nan_policy == "stop":
-                        raise NonFiniteError(
-                            f"the value loss of critic version {self.version + 1} is {losses[-1]} on rank "
-                            f"{self.rank} (train.nan_policy: stop); lower critic.lr or check the rewards"
-                        )
-                    break
-                grad_norms.append(self._optimizer_step(loss))
-            if skipped:
-                break
+        stats = _StatSums()
+
+        def loss_of(part: dict, tokens: float, sequences: float, epoch: int):
+            loss, part_stats = self._loss(part, tokens)
+            stats.merge(part_stats)
+            return loss
+
+        # the policy's mini-batch draw (same seed and version), the policy's update schedule
+        _, grad_norms, skipped = self._updates(
+            samples, count, global_tokens, global_sequences, loss_of,
+            lambda value: f"the value loss of critic version {self.version + 1} is {value} on rank {self.rank} "
+                          "(train.nan_policy: stop); lower critic.lr or check the rewards",
+        )
         self.version += 1
         publish_seconds = self._publish() if self.joins_publish else 0.0
         return {
