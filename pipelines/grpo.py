@@ -90,11 +90,13 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
 
 
-def engine_options(cfg: JobConfig, engine: str | None = None) -> dict:
-    """Constructor options of `engine` (default: the configured rollout engine)."""
+def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False) -> dict:
+    """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form)."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
     if (engine or cfg.rollout.engine) == "vllm":
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
+        if in_flight:
+            options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
     return options
 
 
@@ -113,6 +115,7 @@ def build_rl_dataset(
     ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
     ctx.print_on_execution_start = False
     ds = ray.data.from_pandas(schedule)
+    in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
     ds = ds.map_batches(
         Generate,
         fn_constructor_kwargs=dict(
@@ -120,9 +123,15 @@ def build_rl_dataset(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
             max_staleness=cfg.train.max_staleness,
-            engine_options=engine_options(cfg),
+            engine_options=engine_options(cfg, in_flight=in_flight),
+            in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
+            partial_rollout=cfg.rollout.partial_rollout,
         ),
-        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=1),
+        # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
+        # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time.
+        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=calls,
+                                  max_concurrent_calls_per_actor=calls if in_flight else None,
+                                  enable_true_multi_threading=True if in_flight else None),
         num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",
         **remote_args.get("generate", {}),
     )
