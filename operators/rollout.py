@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
+from operators.faults import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class RolloutLoop:
         self.updates: list[UpdateRecord] = []
         self.in_flight = 0  # sequences in the engine (or waiting for its resume)
         self.peak_in_flight = 0
+        self.tokens_received = 0
         self._ids = itertools.count()
         self._failure: BaseException | None = None
         self._loop = asyncio.new_event_loop()
@@ -187,6 +189,7 @@ class RolloutLoop:
         try:
             async for delta in self.engine.stream(prompt_ids, params, seed, request_id, f"policy-v{self.version}"):
                 version = self.version
+                self.tokens_received += len(delta.token_ids)
                 tokens[delta.sample].extend(delta.token_ids)
                 logprobs[delta.sample].extend(delta.logprobs)
                 versions[delta.sample].extend([version] * len(delta.token_ids))
@@ -217,6 +220,7 @@ class RolloutLoop:
         async with self._swap_lock:
             in_flight, start_wall, start = self.in_flight, time.time(), time.perf_counter()
             await self.engine.pause("keep" if self.partial_rollout else "wait")
+            fault_point("rollout_paused", version=version, in_flight=self.in_flight)  # tests: die here
             paused = time.perf_counter()
             await self.engine.load_prepared(prepared)
             loaded = time.perf_counter()

@@ -251,10 +251,12 @@ class RolloutConfig(_Section):
                 "use engine: vllm, or in_flight: false"
             )
         if self.partial_rollout and not self.uses_in_flight():
+            if self.engine in IN_FLIGHT_ENGINES:
+                raise ValueError("partial_rollout: needs the engine's requests kept in flight, but in_flight is false; "
+                                 "set in_flight: true, or partial_rollout: false")
             raise ValueError(
-                f"partial_rollout: engine {self.engine!r} cannot pause requests in flight and load new weights "
-                "under them" + (" (in_flight: false)" if self.engine in IN_FLIGHT_ENGINES else "")
-                + "; use engine: vllm with in_flight on, or partial_rollout: false"
+                f"partial_rollout: engine {self.engine!r} cannot pause requests in flight and load new weights under "
+                "them; use engine: vllm, or partial_rollout: false"
             )
         return self
 

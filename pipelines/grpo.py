@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import pandas as pd
 import ray
 from ray.data import ActorPoolStrategy
+from ray.data.context import DEFAULT_TARGET_MAX_BLOCK_SIZE
 
 from operators.advantage import Advantage
 from operators.generate import Generate
@@ -110,12 +111,18 @@ def build_rl_dataset(
     `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
     critic group (start_critic_group) when the config has a critic."""
     remote_args = remote_args or {}
+    in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
+    # Call-synchronous: keep the order (a reordered stream blocks generate heads-of-line at staleness 0).
+    # In flight: calls run side by side in one actor, so nothing blocks; keeping the order would hold every
+    # group of a later call until the earlier calls finish, the very wait in-flight generation removes.
+    ctx.execution_options.preserve_order = not in_flight
+    # In flight: each group Generate yields becomes its own block and leaves at once (Ray Data otherwise
+    # coalesces a call's output up to this size, i.e. until the call ends).
+    ctx.target_max_block_size = 1 if in_flight else DEFAULT_TARGET_MAX_BLOCK_SIZE
     ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
     ctx.print_on_execution_start = False
     ds = ray.data.from_pandas(schedule)
-    in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
     ds = ds.map_batches(
         Generate,
         fn_constructor_kwargs=dict(
