@@ -92,7 +92,7 @@ class Generate:
         if in_flight:
             self.rollout = RolloutLoop(self.engine, max_seqs_in_flight=max_seqs_in_flight,
                                        partial_rollout=partial_rollout, store=self.store,
-                                       initial_version=policy_version)
+                                       initial_version=policy_version, name=self.generator_id)
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
         # A generator: each yielded part leaves as its own block, so rows of an earlier

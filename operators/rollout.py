@@ -84,6 +84,7 @@ class RolloutLoop:
         partial_rollout: bool = False,
         store=None,
         initial_version: int = 0,
+        name: str = "",
     ):
         if partial_rollout and not getattr(engine, "can_pause", False):
             raise ValueError(f"{type(engine).__name__} cannot pause requests in flight: partial rollout needs one that can")
@@ -91,6 +92,7 @@ class RolloutLoop:
         self.cap = int(max_seqs_in_flight)
         self.partial_rollout = partial_rollout
         self.store = store
+        self.name = name  # reported with each update to the store (its load log)
         self.version = initial_version
         self.updates: list[UpdateRecord] = []
         self.in_flight = 0  # sequences in the engine (or waiting for its resume)
@@ -220,7 +222,8 @@ class RolloutLoop:
         async with self._swap_lock:
             in_flight, start_wall, start = self.in_flight, time.time(), time.perf_counter()
             await self.engine.pause("keep" if self.partial_rollout else "wait")
-            fault_point("rollout_paused", version=version, in_flight=self.in_flight)  # tests: die here
+            if self.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine
+                fault_point("rollout_paused", version=version, in_flight=self.in_flight)
             paused = time.perf_counter()
             await self.engine.load_prepared(prepared)
             loaded = time.perf_counter()
@@ -247,7 +250,8 @@ class RolloutLoop:
                 pulled = time.perf_counter()
                 prepared = await loop.run_in_executor(None, self.engine.prepare_weights, weights)
                 del weights
-                await self._swap(version, prepared, pulled - start, time.perf_counter() - pulled)
+                record = await self._swap(version, prepared, pulled - start, time.perf_counter() - pulled)
+                self.store.record_load.remote(self.name, dict(vars(record)))  # no reply awaited
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # surfaced to every caller: a generator without weights must not go on

@@ -63,6 +63,9 @@ class JobResult:
     output_dir: Path = Path(".")
     resume_id: str | None = None  # what `--resume` takes: the MLflow run id, or a local id when untracked
     eval_metrics: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per evaluated policy version
+    # In-flight engines: one row per weight update of a generator (pull_s and prepare_s overlapped decoding;
+    # pause_s is the stall: drain_s + load_s + resume), from every attempt.
+    weight_updates: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def resolve_model_path(model: ModelConfig) -> str:
@@ -297,7 +300,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     run_info = {"run_id": run_id, "dataset": source, "dataset_digest": digest, "model_path": model_path}
     if held_out is not None:
         tracker.log_dataset(held_out[0], held_out[1], "eval")
-    rows, status, restarts, placement = [], "FAILED", 0, []
+    rows, status, restarts, placement, loads = [], "FAILED", 0, [], []
     evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id)
     try:
         with ray_session(cfg):
@@ -305,7 +308,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
             while True:
                 try:
                     placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
-                                             progress, evaluation)
+                                             progress, evaluation, loads)
                     break
                 except Exception as err:
                     if not is_process_death(err) or restarts >= cfg.train.max_restarts:
@@ -321,10 +324,16 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                     progress.restart(start)
         if rows:
             overlap = overlap_report([row["timeline"] for row in rows])
-            tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()}})
+            tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()},
+                              **weight_update_summary(loads)})
             echo(f"streamrl: overlap efficiency {overlap['overlap_efficiency']:.2f} "
                  f"(trainer idle {overlap['trainer_idle_fraction']:.0%}, "
                  f"generators idle {overlap['generator_idle_fraction']:.0%} over {overlap['window_s']:.0f}s)")
+            if loads:
+                summary = weight_update_summary(loads)
+                echo(f"streamrl: {len(loads)} weight updates in flight: pause {summary['job_weight_pause_s_median'] * 1e3:.0f} ms "
+                     f"median ({summary['job_weight_pause_s_max'] * 1e3:.0f} ms max); pull + prepare "
+                     f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on")
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -340,7 +349,20 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     final = run_dir.latest_valid(echo, hashes=False)
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
     return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
-                     output_dir, resume_id=run_id, eval_metrics=evaluation.table())
+                     output_dir, resume_id=run_id, eval_metrics=evaluation.table(), weight_updates=pd.DataFrame(loads))
+
+
+def weight_update_summary(loads: list[dict]) -> dict[str, float]:
+    """Job metrics of the in-flight engines' weight updates (none for call-synchronous engines)."""
+    if not loads:
+        return {}
+    import numpy as np
+
+    pause = np.array([load["pause_s"] for load in loads])
+    overlapped = np.array([load["pull_s"] + load["prepare_s"] for load in loads])
+    return {"job_weight_updates": len(loads), "job_weight_pause_s_median": float(np.median(pause)),
+            "job_weight_pause_s_max": float(pause.max()), "job_weight_pause_s_total": float(pause.sum()),
+            "job_weight_pull_prepare_s_median": float(np.median(overlapped))}
 
 
 def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
@@ -391,7 +413,7 @@ class EvalPlan:
 
 
 def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress,
-                 evaluation: EvalPlan) -> list[dict]:
+                 evaluation: EvalPlan, loads: list[dict]) -> list[dict]:
     """One try: a fresh policy store, trainer group and DAG (and evaluator), from `checkpoint`
     (None: step 0). Returns where the trainer ranks ran."""
     first = checkpoint.step if checkpoint else 0
@@ -443,6 +465,10 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         if evaluator is not None:
             evaluator.close()
         stop_trainer_group(workers)
+        try:
+            loads.extend(ray.get(store.load_log.remote(), timeout=10))
+        except Exception:  # the store died with the attempt: its log is lost, the job is not
+            pass
         ray.kill(store)
         if critics is not None:
             stop_trainer_group(critics)

@@ -222,8 +222,9 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
     out, faults = tmp_path / "run", tmp_path / "faults"
     faults.mkdir()
     argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
-            *[arg for item in dag_overrides(out, untrained_model, **{"train.max_staleness": 1, "train.steps": 8,
-                                                                     "data.num_prompts": 32})
+            *[arg for item in dag_overrides(out, untrained_model, **{"train.max_staleness": 2, "train.steps": 8,
+                                                                     "data.num_prompts": 32,
+                                                                     "rollout.max_new_tokens": 48})
               for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_FAULT_DIR": str(faults),
            "STREAMRL_FAULT_POINTS": "rollout_paused", "STREAMRL_FAULT_HOLD_S": "60"}
@@ -263,4 +264,4 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
     from pipelines.checkpoint import CheckpointDir
 
     run_id = re.search(r"resuming run (\S+) from", resumed.stdout).group(1)
-    check_ledger(CheckpointDir.of_run(out, run_id).latest_valid().ledger(), 8, 4, 1)
+    check_ledger(CheckpointDir.of_run(out, run_id).latest_valid().ledger(), 8, 4, 2)
