@@ -67,8 +67,10 @@ MODES.update({
                            text=f"DAG, staleness {k}, disjoint, in-flight engine + partial rollout")
        for k in (1, 2, 4)},
 })
+MODES["partial2_t2"] = dict(staleness=2, gen_threads=1, train_threads=2, in_flight=True, partial=True,
+                            text="DAG, staleness 2, in-flight + partial rollout, generator 1 thread, trainer 2")
 ABLATION = ["sync_call", "sync", "stream2_call", "inflight0", "inflight1", "inflight2", "partial1", "partial2",
-            "partial4"]
+            "partial4", "partial2_t2"]
 DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
 
@@ -228,7 +230,7 @@ def summarise(results: dict[str, dict]) -> dict:
     for variant in ("stream2_g2", "stream2_t2", "stream2_dp"):
         ratio(variant, "sync")
         ratio(variant, "stream0")
-    for variant in ("inflight0", "inflight1", "inflight2", "partial1", "partial2", "partial4"):  # the ablation
+    for variant in ("inflight0", "inflight1", "inflight2", "partial1", "partial2", "partial4", "partial2_t2"):
         ratio(variant, "sync")
         ratio(variant, "sync_call")
         ratio(variant, "stream2_call")
