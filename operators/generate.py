@@ -64,6 +64,7 @@ class Generate:
         in_flight: bool = False,
         max_seqs_in_flight: int = 256,
         partial_rollout: bool = False,
+        update_when: str = "drain",
     ):
         """`policy_version`: the version of the weights in `model_path` (0 for the base model; a
         checkpoint's step when evaluating it), recorded in every row and part of the sampling seed."""
@@ -92,7 +93,8 @@ class Generate:
         if in_flight:
             self.rollout = RolloutLoop(self.engine, max_seqs_in_flight=max_seqs_in_flight,
                                        partial_rollout=partial_rollout, store=self.store,
-                                       initial_version=policy_version, name=self.generator_id)
+                                       initial_version=policy_version, name=self.generator_id,
+                                       update_when=update_when)
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
         # A generator: each yielded part leaves as its own block, so rows of an earlier

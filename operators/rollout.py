@@ -15,8 +15,11 @@ each submits its prompt groups here and gets every group back the moment its `n`
   weights from the object store and prepares them (e.g. writes the engine's load file) while
   decoding goes on; only then does it pause the engine, load in place and resume. With
   `partial_rollout=True` the pause keeps the requests in flight ("keep"): they go on with the
-  new weights. With `False` it drains them first ("wait"): every response then comes from one
-  version, at the cost of the engine idling through the longest tail in flight.
+  new weights. With `False` every response comes from one version, in one of two ways
+  (`update_when`): "drain" pauses at once and lets the requests in flight finish ("wait"; new ones
+  wait), so the engine's batch empties through the longest tail; "idle" keeps decoding with the
+  old weights, new admissible requests included, and swaps when nothing is in flight (the
+  staleness gate bounds how long: groups that need the new version are not admitted).
 - **Versions per token.** Every token records the policy version loaded when it arrived
   (`GroupResult.token_versions`); the engine's contract guarantees that tokens sampled before a
   pause are delivered before `resume()`, and the version changes only just before `resume()`.
@@ -85,12 +88,16 @@ class RolloutLoop:
         store=None,
         initial_version: int = 0,
         name: str = "",
+        update_when: str = "drain",
     ):
         if partial_rollout and not getattr(engine, "can_pause", False):
             raise ValueError(f"{type(engine).__name__} cannot pause requests in flight: partial rollout needs one that can")
         self.engine = engine
         self.cap = int(max_seqs_in_flight)
         self.partial_rollout = partial_rollout
+        if update_when not in ("drain", "idle"):
+            raise ValueError(f"update_when: {update_when!r}; use 'drain' or 'idle'")
+        self.update_when = update_when
         self.store = store
         self.name = name  # reported with each update to the store (its load log)
         self.version = initial_version
@@ -220,6 +227,9 @@ class RolloutLoop:
 
     async def _swap(self, version: int, prepared: Any, pull_s: float, prepare_s: float) -> UpdateRecord:
         async with self._swap_lock:
+            if not self.partial_rollout and self.update_when == "idle":
+                async with self._slots:  # decode on with the old weights until nothing is in flight
+                    await self._slots.wait_for(lambda: self.in_flight == 0)
             in_flight, start_wall, start = self.in_flight, time.time(), time.perf_counter()
             await self.engine.pause("keep" if self.partial_rollout else "wait")
             if self.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine

@@ -230,7 +230,12 @@ class RolloutConfig(_Section):
     partial_rollout: bool = Field(
         False, description="In flight: on a new policy version, pause the requests in flight, load the weights "
         "and go on decoding them with the new ones (tokens record their version: token_policy_versions); "
-        "false drains them first, so every response comes from one version."
+        "false: every response comes from one version (see update_when)."
+    )
+    update_when: Literal["drain", "idle"] = Field(
+        "drain", description="In flight without partial rollout: when a new version is loaded. 'drain': at once; "
+        "requests in flight finish with the old weights while new ones wait. 'idle': once nothing is in flight; "
+        "until then admissible requests still start with the old weights."
     )
 
     @field_validator("engine")

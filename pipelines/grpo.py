@@ -135,7 +135,7 @@ def build_rl_dataset(
             max_staleness=cfg.train.max_staleness,
             engine_options=engine_options(cfg, in_flight=in_flight),
             in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
-            partial_rollout=cfg.rollout.partial_rollout,
+            partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
         ),
         # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
         # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time.

@@ -172,6 +172,34 @@ def test_without_partial_rollout_an_update_drains_first(loop, weights):
     loop.load_policy(base + 2, weights)
 
 
+def test_update_when_idle_waits_for_the_requests_in_flight(loop, weights):
+    """update_when='idle': the swap waits until nothing is in flight, so the pause drains nothing."""
+    import threading
+
+    uniform = {name: (np.zeros_like(array) if name.startswith("lm_head") else array) for name, array in weights.items()}
+    ids = prompt_ids(loop, 8)
+    base = loop.version
+    loop.partial_rollout, loop.update_when = False, "idle"
+    try:
+        from operators.rollout import wait_all
+
+        futures = loop.submit(ids, SamplingParams(n=4, max_new_tokens=40, min_new_tokens=40), list(range(8)),
+                              [f"idle-{i}" for i in range(8)])
+        while loop.tokens_received == 0:
+            time.sleep(0.002)
+        done = {}
+        swapper = threading.Thread(target=lambda: done.setdefault("record", loop.load_policy(base + 1, uniform)))
+        swapper.start()
+        results = wait_all(futures)
+        swapper.join(timeout=60)
+    finally:
+        loop.partial_rollout, loop.update_when = True, "drain"
+    record = done["record"]
+    assert record.in_flight == 0 and record.at >= max(r.end for r in results) - 1e-3
+    assert all(set(v) == {base} for result in results for v in result.token_versions)
+    loop.load_policy(base + 2, weights)
+
+
 # --- in the DAG -----------------------------------------------------------------------------------
 
 
