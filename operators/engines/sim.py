@@ -310,7 +310,7 @@ class DecodeServer:
                 tick = self._tick_real(instance)
                 active = len(instance.active)
                 to_next = max(instance.active[0][0] - instance.ticks, 0.0)  # ticks until the next sequence ends
-                ran = min(to_next, elapsed / tick)
+                ran = to_next if tick <= 0 else min(to_next, elapsed / tick)  # zero cost: all due at once
                 instance.ticks += ran
                 self.busy_instance_seconds += ran * tick
                 self.active_sequence_seconds += ran * tick * active
