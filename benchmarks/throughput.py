@@ -169,7 +169,9 @@ def schedule_figures(result) -> dict:
     in-flight engine's pause per update."""
     import pandas as pd
 
-    ledger = pd.read_parquet(Path(result.checkpoint) / "ledger.parquet") if result.checkpoint else pd.DataFrame()
+    from pipelines.checkpoint import LEDGER
+
+    ledger = pd.read_parquet(Path(result.checkpoint) / LEDGER) if result.checkpoint else pd.DataFrame()
     figures = {"staleness_histogram": {str(k): int(v) for k, v in ledger["staleness"].value_counts().sort_index().items()}
                if len(ledger) else {}}
     if "policy_version_max" in ledger:

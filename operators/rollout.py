@@ -188,8 +188,8 @@ class RolloutLoop:
         if self._failure is not None:
             self._raise_failure()
         n = params.n
-        await self._acquire(min(n, self.cap))
-        held = min(n, self.cap)
+        held = min(n, self.cap)  # a group larger than the cap runs alone
+        await self._acquire(held)
         start = time.time()
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -202,7 +202,7 @@ class RolloutLoop:
                 tokens[delta.sample].extend(delta.token_ids)
                 logprobs[delta.sample].extend(delta.logprobs)
                 versions[delta.sample].extend([version] * len(delta.token_ids))
-                if delta.finished and held > 0 and n <= self.cap:
+                if delta.finished and held:
                     held -= 1  # its slot is free for the next group at once
                     await self._release(1)
         finally:

@@ -55,6 +55,11 @@ def loop(tiny_model_path):
     rollout.close()
 
 
+def zero_head(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights with lm_head zeroed: every next-token distribution is uniform."""
+    return {name: (np.zeros_like(array) if name.startswith("lm_head") else array) for name, array in weights.items()}
+
+
 def prompt_ids(loop, count: int) -> list[list[int]]:
     from pipelines.tiny import make_arithmetic_dataset
 
@@ -129,7 +134,7 @@ def test_cap_on_sequences_in_flight(untrained_model):
 def test_partial_rollout_tags_each_token_with_its_weights(loop, weights):
     """Load weights with a zero lm_head mid-decode: every token sampled with them has log-prob exactly
     -log(V - 1); each response's tokens are old-version first, then new; many responses span both."""
-    uniform = {name: (np.zeros_like(array) if name.startswith("lm_head") else array) for name, array in weights.items()}
+    uniform = zero_head(weights)
     vocab = weights["lm_head.weight"].shape[0]
     ids = prompt_ids(loop, 16)
     params = SamplingParams(n=4, max_new_tokens=40, min_new_tokens=40)
@@ -154,7 +159,7 @@ def test_partial_rollout_tags_each_token_with_its_weights(loop, weights):
 
 
 def test_without_partial_rollout_an_update_drains_first(loop, weights):
-    uniform = {name: (np.zeros_like(array) if name.startswith("lm_head") else array) for name, array in weights.items()}
+    uniform = zero_head(weights)
     ids = prompt_ids(loop, 16)
     base = loop.version
     loop.partial_rollout = False
@@ -176,7 +181,7 @@ def test_update_when_idle_waits_for_the_requests_in_flight(loop, weights):
     """update_when='idle': the swap waits until nothing is in flight, so the pause drains nothing."""
     import threading
 
-    uniform = {name: (np.zeros_like(array) if name.startswith("lm_head") else array) for name, array in weights.items()}
+    uniform = zero_head(weights)
     ids = prompt_ids(loop, 8)
     base = loop.version
     loop.partial_rollout, loop.update_when = False, "idle"
@@ -252,7 +257,12 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
     argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
             *[arg for item in dag_overrides(out, untrained_model, **{"train.max_staleness": 2, "train.steps": 8,
                                                                      "data.num_prompts": 32,
-                                                                     "rollout.max_new_tokens": 48})
+                                                                     "rollout.max_new_tokens": 48,
+                                                                     # one sequence at a time: a step takes many
+                                                                     # times a train step to generate, so updates land
+                                                                     # mid-decode (with 256 slots a fast machine
+                                                                     # finished every admitted group first)
+                                                                     "rollout.max_seqs_in_flight": 1})
               for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_FAULT_DIR": str(faults),
            "STREAMRL_FAULT_POINTS": "rollout_paused", "STREAMRL_FAULT_HOLD_S": "60"}
@@ -274,6 +284,7 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
             if killed_actor is not None and re.match(r"step\s+5/", line):
                 driver.send_signal(signal.SIGKILL)
                 break
+        assert killed_actor is not None, "no update found requests in flight:\n" + "".join(seen[-60:])
         assert driver.wait(timeout=120) == -signal.SIGKILL, "".join(seen[-60:])
     finally:
         if driver.poll() is None:

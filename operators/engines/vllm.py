@@ -166,7 +166,26 @@ def _request_seed(seed: int, prompt_index: int, n: int) -> int:
     return int(state) % (2**31 - max(n, 1))
 
 
-class VLLMEngine:
+class VLLMBase:
+    """What both vLLM engines (VLLMEngine, vllm_async.AsyncVLLMEngine) share: set-up and encoding."""
+
+    def _set_up(self, model_path: str, trust_remote_code: bool, torch_threads: int | None,
+                gpu_memory_utilization: float, max_model_len: int | None, enforce_eager: bool, dtype: str,
+                seed: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """Bind threads, load the tokenizer, make the weight file; the engine arguments."""
+        bind_threads(torch_threads)
+        self.model_path = str(model_path)
+        self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.weight_file = WeightFile()
+        return llm_options(self.model_path, trust_remote_code, gpu_memory_utilization, max_model_len,
+                           enforce_eager, dtype, seed, extra)
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+
+
+class VLLMEngine(VLLMBase):
     def __init__(
         self,
         model_path: str,
@@ -179,16 +198,11 @@ class VLLMEngine:
         seed: int = 0,
         **extra_llm_kwargs: Any,
     ):
-        bind_threads(torch_threads)
         from vllm import LLM
 
-        self.model_path = str(model_path)
-        self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
-        self.eos_id = self.tokenizer.eos_token_id
-        options = llm_options(self.model_path, trust_remote_code, gpu_memory_utilization, max_model_len,
-                              enforce_eager, dtype, seed, extra_llm_kwargs)
+        options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization, max_model_len,
+                               enforce_eager, dtype, seed, extra_llm_kwargs)
         self.logprobs_mode = options["logprobs_mode"]
-        self.weight_file = WeightFile()
         start = time.perf_counter()
         self.llm = LLM(**options)
         self._warm_up()
@@ -209,9 +223,6 @@ class VLLMEngine:
             VLLMSamplingParams(n=1, temperature=1.0, max_tokens=2, logprobs=0, seed=0, detokenize=False),
             use_tqdm=False,
         )
-
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[GroupSample]:
         from vllm.inputs import TokensPrompt

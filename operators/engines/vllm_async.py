@@ -32,14 +32,12 @@ from typing import Any, AsyncIterator, Mapping
 import numpy as np
 
 from operators.engines.base import SamplingParams, TokenDelta
-from operators.engines.vllm import (
-    _GREEDY_EPS, WeightFile, bind_threads, llm_options, load_tokenizer, request_sampling, sampled_logprobs,
-)
+from operators.engines.vllm import _GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncVLLMEngine:
+class AsyncVLLMEngine(VLLMBase):
     can_pause = True
 
     def __init__(
@@ -55,15 +53,10 @@ class AsyncVLLMEngine:
         max_num_seqs: int | None = None,
         **extra_llm_kwargs: Any,
     ):
-        bind_threads(torch_threads)
-        self.model_path = str(model_path)
-        self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
-        self.eos_id = self.tokenizer.eos_token_id
         if max_num_seqs is not None:  # the engine's own batch limit: at least the loop's cap
             extra_llm_kwargs = {**extra_llm_kwargs, "max_num_seqs": int(max_num_seqs)}
-        self.options = llm_options(self.model_path, trust_remote_code, gpu_memory_utilization, max_model_len,
-                                   enforce_eager, dtype, seed, extra_llm_kwargs)
-        self.weight_file = WeightFile()
+        self.options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization,
+                                    max_model_len, enforce_eager, dtype, seed, extra_llm_kwargs)
         self.engine = None
         self.start_seconds: float | None = None
 
@@ -78,9 +71,6 @@ class AsyncVLLMEngine:
         async for _ in self.stream([first], SamplingParams(n=1, max_new_tokens=2), 0, "warm-up", "warm-up"):
             pass
         self.start_seconds = time.perf_counter() - started
-
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
