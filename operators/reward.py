@@ -279,7 +279,9 @@ class Reward:
 
     Also adds `reward_errors` (samples that fell back to `on_error`), `reward_timeouts` (samples
     whose function call ran over `timeout_s`; they count in `reward_errors` too), one list
-    column `reward_<name>` per function, and `time_reward` (seconds of this call per row).
+    column `reward_<name>` per function, and `time_reward` (seconds of this call per row). With
+    `timestamps=True`, also the call's wall-clock interval `reward_start`, `reward_end` (the RL
+    pipeline's, from which benchmarks/loop_latency.py measures the hops between stages).
 
     `timeout_s` > 0 runs the functions in a sandbox child process (see `RewardSandbox`),
     started on the first call and reused: a call (one function, the whole batch) that does not
@@ -292,8 +294,9 @@ class Reward:
 
     def __init__(
         self, functions: Sequence[tuple[str, float]] = (("arithmetic_exact", 1.0),), on_error: float = 0.0,
-        timeout_s: float = 0.0,
+        timeout_s: float = 0.0, timestamps: bool = False,
     ):
+        self.timestamps = timestamps
         self.functions = [(name, float(weight), resolve_reward_function(name)) for name, weight in functions]
         self.on_error = float(on_error)
         if timeout_s < 0:
@@ -329,6 +332,7 @@ class Reward:
         return scores, failed, timed_out
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        wall_start = time.time()
         start = time.perf_counter()
         batch = batch.copy()
         if batch.empty:
@@ -356,4 +360,6 @@ class Reward:
         batch["reward_errors"] = [int(part.sum()) for part in np.split(errors, splits)]
         batch["reward_timeouts"] = [int(part.sum()) for part in np.split(timeouts, splits)]
         batch["time_reward"] = (time.perf_counter() - start) / max(len(batch), 1)
+        if self.timestamps:
+            batch["reward_start"], batch["reward_end"] = wall_start, time.time()
         return batch

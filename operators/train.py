@@ -37,6 +37,9 @@ ROLLOUT_COLUMNS = [
     "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts", "used", "dropped",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
+# Wall-clock stamps a group collects on its way to a train step (Generate's, Reward's with timestamps=True, and
+# when this operator received it), kept per step in the `timeline` for benchmarks/loop_latency.py.
+STAMPS = ("generate_start", "generate_end", "reward_start", "reward_end", "train_arrive")
 # With a critic: the version that valued the group, and per response token its values and return targets.
 CRITIC_COLUMNS = ["critic_version", "values", "returns"]
 
@@ -101,7 +104,9 @@ class Train:
         self.busy_seconds = 0.0
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
+        arrived = time.time()
         for row in batch.to_dict("records"):
+            row["train_arrive"] = arrived
             step = int(row["train_step"])
             uid = row.get("group_uid")
             if uid is not None and uid in self.seen:  # a retried task's output, or already in the ledger
@@ -185,7 +190,8 @@ class Train:
         metrics["time_checkpoint"] = time.perf_counter() - checkpoint_start  # trainer blocked while it writes
         # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
         # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
-        timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows)})
+        timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows),
+                               "stamps": _stamps(generated)})
         return pd.DataFrame([{
             **metrics, "timeline": timeline, "rollouts_parquet": _to_parquet(table),
             "checkpoint_path": str(checkpoint) if checkpoint else None,
@@ -290,6 +296,15 @@ def _generate_intervals(rows: list[dict]) -> list[tuple[str, float, float]]:
         for row in rows if row.get("generate_start") is not None
     }
     return sorted(calls, key=lambda call: call[1])
+
+
+def _stamps(rows: list[dict]) -> dict[str, list]:
+    """Per stamp, its value for each group of the step (None where a row lacks it)."""
+    def value(row: dict, name: str) -> float | None:
+        stamp = row.get(name)
+        return None if stamp is None or pd.isna(stamp) else float(stamp)
+
+    return {name: [value(row, name) for row in rows] for name in STAMPS}
 
 
 def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:

@@ -130,7 +130,7 @@ def build_rl_dataset(
         Reward,
         fn_constructor_kwargs=dict(
             functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
-            timeout_s=cfg.reward.timeout_s,
+            timeout_s=cfg.reward.timeout_s, timestamps=True,
         ),
         compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
         batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
