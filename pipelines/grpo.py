@@ -4,8 +4,9 @@
       -> Generate   actor pool; admission-gated on the policy store (>= step - max_staleness)
       -> Reward     actor pool; weighted reward functions, failures contained
       -> [Value]    PPO with a critic: per-token values from the critic store (its own DeepSpeed group)
-      -> Advantage  group-relative estimator, or GAE from the values
-      -> Train      buffers a step's groups, steps the DeepSpeed group, publishes weights
+      -> Advantage  group-relative estimator, or GAE from the values   } one stage, one actor
+      -> Train      buffers a step's groups, steps the DeepSpeed group,  } (pipelines/fused.py)
+                    publishes weights
       -> one row of metrics + rollouts per step -> MLflow, terminal
     beside it (eval set): an evaluator actor scores held-out prompts with retained policy versions
 
@@ -39,10 +40,11 @@ from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, dataset_dige
 from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
+from pipelines.fused import Chain
 from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
-from pipelines.resources import stage_options
+from pipelines.resources import DAG_HELPER_CPUS, stage_options
 from pipelines.resume import (
     AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
 )
@@ -156,22 +158,27 @@ def build_rl_dataset(
             compute=ActorPoolStrategy(size=1), num_cpus=cfg.critic.value_num_cpus, batch_size=None,
             batch_format="pandas",
         )
-    ds = ds.map_batches(
-        Advantage, fn_constructor_kwargs=advantage_options(cfg),
-        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
-    )
+    # Advantage runs in the Train stage's actor: one executor trip less on the loop (pipelines/fused.py).
+    # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
+    # last checkpoint instead (run_job).
     return ds.map_batches(
-        Train,
-        fn_constructor_kwargs=dict(
-            workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
-            generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
-            first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
-            critics=list(critics or []), **(checkpoint_options or {}),
-        ),
-        # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
-        # last checkpoint instead (run_job).
-        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas", max_restarts=0,
+        AdvantageTrain,
+        fn_constructor_kwargs=dict(stages=[
+            (Advantage, advantage_options(cfg)),
+            (Train, dict(
+                workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
+                generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
+                first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
+                critics=list(critics or []), **(checkpoint_options or {}),
+            )),
+        ]),
+        compute=ActorPoolStrategy(size=1), num_cpus=DAG_HELPER_CPUS, batch_size=None, batch_format="pandas",
+        max_restarts=0,
     )
+
+
+class AdvantageTrain(Chain):
+    """The RL DAG's last stage: Advantage, then Train, in one actor."""
 
 
 def iter_steps(ds: ray.data.Dataset) -> Iterator[dict]:

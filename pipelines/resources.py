@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pipelines.config import JobConfig, NodeGroup
 
-# The advantage and train-operator actors that build_rl_dataset starts (0.05 CPU each).
+# The actor of build_rl_dataset's last stage (Advantage + the Train operator, pipelines/grpo.py).
 DAG_HELPER_CPUS = 0.1
 
 

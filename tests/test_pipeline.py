@@ -61,6 +61,14 @@ def test_staleness_bound_and_exactly_once(ray_cluster, tmp_path, max_staleness):
         gate_train_start = timelines[step - max_staleness - 1]["train"][0]
         starts = [start for _, start, _ in timelines[step]["generate"]]
         assert starts and min(starts) > gate_train_start, (step, starts, gate_train_start)
+    # Each group's wall-clock stamps follow the DAG (what benchmarks/loop_latency.py measures hops from).
+    for entry in timelines:
+        stamps = entry["stamps"]
+        assert len(stamps["generate_end"]) == GROUPS
+        for index in range(GROUPS):
+            path = [stamps[name][index] for name in ("generate_start", "generate_end", "reward_start", "reward_end",
+                                                     "train_arrive")] + [entry["train"][0]]
+            assert path == sorted(path), path
 
 
 def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
