@@ -53,6 +53,24 @@ MODES = {
     "stream2_dp": dict(staleness=2, gen_threads=1, train_threads=1, actors=2,
                        text="DAG, staleness 2, 2 generate actors + trainer (1 thread each, 3 on 2 cores)"),
 }
+# The in-flight ablation (engine vllm; issue 11): the engine as an AsyncLLM fed by several calls at once,
+# with and without partial rollout, against the call-synchronous engine of before.
+MODES.update({
+    "sync_call": dict(staleness=0, gen_threads=2, train_threads=2, in_flight=False,
+                      text="DAG, staleness 0, colocated, call-synchronous engine (one call at a time)"),
+    "stream2_call": dict(staleness=2, gen_threads=1, train_threads=1, in_flight=False,
+                         text="DAG, staleness 2, disjoint, call-synchronous engine"),
+    **{f"inflight{k}": dict(staleness=k, gen_threads=1, train_threads=1, in_flight=True,
+                            text=f"DAG, staleness {k}, disjoint, in-flight engine, drain on update")
+       for k in (0, 1, 2)},
+    **{f"partial{k}": dict(staleness=k, gen_threads=1, train_threads=1, in_flight=True, partial=True,
+                           text=f"DAG, staleness {k}, disjoint, in-flight engine + partial rollout")
+       for k in (1, 2, 4)},
+})
+MODES["partial2_t2"] = dict(staleness=2, gen_threads=1, train_threads=2, in_flight=True, partial=True,
+                            text="DAG, staleness 2, in-flight + partial rollout, generator 1 thread, trainer 2")
+ABLATION = ["sync_call", "sync", "stream2_call", "inflight0", "inflight1", "inflight2", "partial1", "partial2",
+            "partial4", "partial2_t2"]
 DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
 
@@ -67,7 +85,10 @@ def mode_config(mode: str, model_path: str, args):
         # Ray's CPU accounting: both stages fit on the 2 CPUs with room for reward/advantage/train ops.
         f"rollout.num_actors={spec.get('actors', 1)}", f"rollout.num_cpus={0.8 / spec.get('actors', 1)}",
         "train.num_cpus=0.8",
-        f"tracking.run_name=throughput-{mode}", *args.set,
+        f"tracking.run_name=throughput-{mode}",
+        *([f"rollout.in_flight={str(spec['in_flight']).lower()}"] if "in_flight" in spec else []),
+        *(["rollout.partial_rollout=true"] if spec.get("partial") else []),
+        *args.set,
     ]
     return load_config(CONFIG, overrides)
 
@@ -121,7 +142,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     return timelines
 
 
-def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | None]:
+def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | None, dict]:
     import ray
 
     from pipelines.grpo import init_ray, run_job
@@ -140,7 +161,26 @@ def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | Non
             "samples": int(row["num_groups"]) * cfg.rollout.n, "reward_mean": row["reward_mean"],
             "policy_loss": row["policy_loss"], "staleness_max": int(row["staleness_max"]),
         })
-    return timelines, result.run_id
+    return timelines, result.run_id, schedule_figures(result)
+
+
+def schedule_figures(result) -> dict:
+    """Staleness histogram (of each group's oldest token), groups that spanned a weight update, and the
+    in-flight engine's pause per update."""
+    import pandas as pd
+
+    ledger = pd.read_parquet(Path(result.checkpoint) / "ledger.parquet") if result.checkpoint else pd.DataFrame()
+    figures = {"staleness_histogram": {str(k): int(v) for k, v in ledger["staleness"].value_counts().sort_index().items()}
+               if len(ledger) else {}}
+    if "policy_version_max" in ledger:
+        figures["groups_spanning_versions"] = int((ledger["policy_version_max"] > ledger["policy_version"]).sum())
+    updates = result.weight_updates
+    if len(updates):
+        figures.update(weight_updates=len(updates), weight_pause_s_median=float(updates["pause_s"].median()),
+                       weight_pause_s_max=float(updates["pause_s"].max()),
+                       weight_load_s_median=float(updates["load_s"].median()),
+                       weight_pull_prepare_s_median=float((updates["pull_s"] + updates["prepare_s"]).median()))
+    return figures
 
 
 def run_one(mode: str, model_path: str, args) -> dict:
@@ -149,11 +189,11 @@ def run_one(mode: str, model_path: str, args) -> dict:
 
     cfg = mode_config(mode, model_path, args)
     start = time.time()
-    run_id = None
+    run_id, figures = None, {}
     if mode == "plain":
         timelines = run_plain(cfg, model_path)
     else:
-        timelines, run_id = run_dag(cfg, args.ray_timeline and str(RESULTS / f"ray_timeline_{mode}.json"))
+        timelines, run_id, figures = run_dag(cfg, args.ray_timeline and str(RESULTS / f"ray_timeline_{mode}.json"))
     wall = time.time() - start
     report = overlap_report(timelines)
     samples = sum(t["samples"] for t in timelines)
@@ -165,7 +205,7 @@ def run_one(mode: str, model_path: str, args) -> dict:
         "samples_per_s_incl_startup": samples / wall,
         "staleness_max": max(t["staleness_max"] for t in timelines),
         "reward_first": timelines[0]["reward_mean"], "reward_last": timelines[-1]["reward_mean"],
-        **report, "timelines": timelines,
+        **report, **figures, "timelines": timelines,
     }
 
 
@@ -190,6 +230,11 @@ def summarise(results: dict[str, dict]) -> dict:
     for variant in ("stream2_g2", "stream2_t2", "stream2_dp"):
         ratio(variant, "sync")
         ratio(variant, "stream0")
+    for variant in ("inflight0", "inflight1", "inflight2", "partial1", "partial2", "partial4", "partial2_t2"):
+        ratio(variant, "sync")
+        ratio(variant, "sync_call")
+        ratio(variant, "stream2_call")
+    ratio("sync", "sync_call")
     if "sync" in results and "plain" in results:
         ratios["sync/plain window (framework overhead)"] = results["sync"]["window_s"] / results["plain"]["window_s"]
         ratios["sync/plain wall incl. start-up"] = results["sync"]["wall_s"] / results["plain"]["wall_s"]
@@ -197,12 +242,16 @@ def summarise(results: dict[str, dict]) -> dict:
 
 
 def print_table(results: dict[str, dict], ratios: dict) -> None:
-    print(f"\n{'mode':<8} {'samples/s':>9} {'tok/s':>7} {'window':>7} {'wall':>6} {'gen busy':>8} {'train busy':>10} "
-          f"{'gen idle':>8} {'train idle':>10} {'overlap eff':>11} {'stale max':>9}")
+    print(f"\n{'mode':<12} {'samples/s':>9} {'tok/s':>7} {'window':>7} {'wall':>6} {'gen busy':>8} {'train busy':>10} "
+          f"{'gen idle':>8} {'train idle':>10} {'overlap eff':>11} {'staleness (oldest token)':>26} {'spanning':>8} "
+          f"{'pause/update':>12}")
     for mode, r in results.items():
-        print(f"{mode:<8} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>7.1f} {r['window_s']:>6.1f}s {r['wall_s']:>5.0f}s "
+        histogram = " ".join(f"{k}:{v}" for k, v in r.get("staleness_histogram", {}).items()) or "-"
+        pause = f"{r['weight_pause_s_median'] * 1e3:.0f} ms" if "weight_pause_s_median" in r else "-"
+        print(f"{mode:<12} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>7.1f} {r['window_s']:>6.1f}s {r['wall_s']:>5.0f}s "
               f"{r['generator_busy_s']:>7.1f}s {r['trainer_busy_s']:>9.1f}s {r['generator_idle_fraction']:>8.2f} "
-              f"{r['trainer_idle_fraction']:>10.2f} {r['overlap_efficiency']:>11.2f} {r['staleness_max']:>9}")
+              f"{r['trainer_idle_fraction']:>10.2f} {r['overlap_efficiency']:>11.2f} {histogram:>26} "
+              f"{r.get('groups_spanning_versions', '-'):>8} {pause:>12}")
     print()
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}x")
@@ -269,7 +318,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--size", default="medium", help="model size from generate_throughput.SIZES")
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"any of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"any of {', '.join(MODES)}; 'ablation' = {','.join(ABLATION)} (engine vllm)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every mode")
     parser.add_argument("--name", default="throughput", help="results file stem")
     parser.add_argument("--ray-timeline", action="store_true", help="also dump Ray's trace per DAG mode")
@@ -281,10 +331,13 @@ def main() -> None:
     if args.one:
         Path(args.out).write_text(json.dumps(run_one(args.one, model_path, args)))
         return
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.replace("ablation", ",".join(ABLATION)).split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    needs_vllm = [m for m in modes if "in_flight" in MODES[m]]
+    if needs_vllm and args.engine != "vllm":
+        parser.error(f"modes {needs_vllm} set rollout.in_flight, which only the vllm engine has; add --engine vllm")
     RESULTS.mkdir(parents=True, exist_ok=True)
     print(f"model {model_path} ({params / 1e6:.1f}M parameters), engine {args.engine}, {args.steps} steps, modes {modes}")
     results = {}

@@ -17,10 +17,23 @@ excluded). All other columns pass through.
 `greedy=True` decodes one greedy response per prompt instead (evaluation); `sample(batch,
 greedy=...)` generates with the weights loaded now, and `load_policy(version, weights)` loads
 a given policy version: what an evaluator that is not gated on the store uses.
+
+**In flight** (`in_flight=True`; engines 'vllm' and 'sim'): the engine runs as an async engine in a
+`RolloutLoop` (operators/rollout.py) with up to `max_seqs_in_flight` sequences, fed by every call
+the actor runs at once. Give the actor several calls (Ray Data's
+`ActorPoolStrategy(max_tasks_in_flight_per_actor=k, max_concurrent_calls_per_actor=k,
+enable_true_multi_threading=True)`): each call yields every group as its own one-row block the
+moment its `n` samples are done, not when the call is. New policy versions are loaded by the loop
+as soon as the store has them (pulled while decoding goes on); `partial_rollout=True` keeps the
+requests in flight through the swap, so a response may span versions: `token_policy_versions`
+records, per response token, the version that sampled it, `policy_version` is the oldest (what
+staleness counts) and `policy_version_max` the newest. `time_weight_sync` is then the update
+pauses the group sat through. The HF engine is call-synchronous: one call at a time per actor.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 import zlib
@@ -29,6 +42,7 @@ from typing import Iterator
 import pandas as pd
 
 from operators.engines import SamplingParams, make_engine
+from operators.engines.base import make_in_flight_engine
 
 
 class Generate:
@@ -47,10 +61,22 @@ class Generate:
         engine_options: dict | None = None,
         greedy: bool = False,
         policy_version: int = 0,
+        in_flight: bool = False,
+        max_seqs_in_flight: int = 256,
+        partial_rollout: bool = False,
+        update_when: str = "drain",
     ):
         """`policy_version`: the version of the weights in `model_path` (0 for the base model; a
         checkpoint's step when evaluating it), recorded in every row and part of the sampling seed."""
-        self.engine = make_engine(engine, model_path, **(engine_options or {}))
+        self.rollout = None
+        if in_flight:
+            from operators.rollout import RolloutLoop
+
+            self.engine = make_in_flight_engine(engine, model_path, **(engine_options or {}))
+        else:
+            if partial_rollout:
+                raise ValueError("partial_rollout needs in_flight=True (an engine that can pause requests in flight)")
+            self.engine = make_engine(engine, model_path, **(engine_options or {}))
         self.params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         self.greedy = greedy
         self.max_staleness = max_staleness
@@ -64,10 +90,18 @@ class Generate:
             import ray
 
             self.store = ray.get_actor(policy_store)
+        if in_flight:
+            self.rollout = RolloutLoop(self.engine, max_seqs_in_flight=max_seqs_in_flight,
+                                       partial_rollout=partial_rollout, store=self.store,
+                                       initial_version=policy_version, name=self.generator_id,
+                                       update_when=update_when)
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
         # A generator: each yielded part leaves as its own block, so rows of an earlier
         # step are never held back while this call waits for a later step's policy.
+        if self.rollout is not None:
+            yield from self._call_in_flight(batch)
+            return
         if self.store is None or "train_step" not in batch.columns:
             self._sync_weights(min_version=None)
             yield self.sample(batch, self.greedy)
@@ -79,9 +113,80 @@ class Generate:
     def load_policy(self, version: int, state_dict) -> None:
         """Load the weights of policy `version` (the rows generated next record it)."""
         start = time.perf_counter()
-        self.engine.load_weights(state_dict)
+        if self.rollout is not None:
+            self.rollout.load_policy(version, state_dict)
+        else:
+            self.engine.load_weights(state_dict)
         self.policy_version = version
         self.weight_sync_seconds += time.perf_counter() - start
+
+    # --- in flight ---------------------------------------------------------------------------------
+
+    def _call_in_flight(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
+        if self.store is None or "train_step" not in batch.columns:
+            yield from self._stream(batch, self.greedy)
+            return
+        for step, part in batch.groupby("train_step", sort=True):
+            self.rollout.wait_version(int(step) - self.max_staleness, self.admission_timeout_s)
+            yield from self._stream(part, self.greedy)
+
+    def _submit(self, batch: pd.DataFrame, greedy: bool):
+        batch = batch.reset_index(drop=True)
+        prompt_ids = self.engine.encode([str(p) for p in batch["prompt"]])
+        params = SamplingParams(**{**self.params.__dict__, **({"n": 1, "temperature": 0.0} if greedy else {})})
+        uids = [str(uid) for uid in batch.get("group_uid", batch["prompt"])]
+        version = self.rollout.version
+        seeds = [self._group_seed(uid, version, params.n) for uid in uids]
+        return batch, prompt_ids, self.rollout.submit(prompt_ids, params, seeds, uids)
+
+    def _stream(self, batch: pd.DataFrame, greedy: bool) -> Iterator[pd.DataFrame]:
+        """Each group as a one-row frame, in the order they finish."""
+        batch, prompt_ids, futures = self._submit(batch, greedy)
+        index = {future: i for i, future in enumerate(futures)}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                i = index[future]
+                yield self._rows(batch.iloc[[i]], [prompt_ids[i]], [future.result()])
+        finally:
+            for future in futures:  # a failed or abandoned call: stop its requests
+                future.cancel()
+
+    def _group_seed(self, uid: str, version: int, n: int) -> int:
+        """Stable per-group seed: same group and policy version -> same samples (vLLM gives the
+        i-th sample seed + i, so leave room below 2**31)."""
+        return (self.params.seed * 1_000_003 + zlib.crc32(f"{uid}@{version}".encode())) % (2**31 - max(n, 1))
+
+    def _rows(self, batch: pd.DataFrame, prompt_ids: list[list[int]], results: list) -> pd.DataFrame:
+        batch = batch.reset_index(drop=True).copy()
+        batch["prompt_token_ids"] = prompt_ids
+        batch["responses"] = [r.sample.texts for r in results]
+        batch["response_token_ids"] = [r.sample.token_ids for r in results]
+        batch["behavior_logprobs"] = [r.sample.logprobs for r in results]
+        batch["response_lengths"] = [[len(tokens) for tokens in r.sample.token_ids] for r in results]
+        batch["token_policy_versions"] = [r.token_versions for r in results]
+        batch["policy_version"] = [r.version_min for r in results]
+        batch["policy_version_max"] = [r.version_max for r in results]
+        batch["time_generate"] = [r.end - r.start for r in results]
+        batch["time_weight_sync"] = [r.pause_s for r in results]
+        batch["generator_id"] = self.generator_id
+        batch["generate_start"] = [r.start for r in results]
+        batch["generate_end"] = [r.end for r in results]
+        return batch
+
+    def update_log(self) -> list[dict]:
+        """The in-flight engine's weight updates so far (pull, prepare, pause per version)."""
+        return [] if self.rollout is None else [dict(vars(u)) for u in self.rollout.updates]
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def _sync_weights(self, min_version: int | None) -> None:
         """Wait for an admissible policy version, then pull the weights if ours are older."""
@@ -109,6 +214,11 @@ class Generate:
 
     def sample(self, batch: pd.DataFrame, greedy: bool = False) -> pd.DataFrame:
         """The batch with its responses, from the weights loaded now (no admission gate)."""
+        if self.rollout is not None:
+            from operators.rollout import wait_all
+
+            batch, prompt_ids, futures = self._submit(batch, greedy)
+            return self._rows(batch, prompt_ids, wait_all(futures)) if len(batch) else batch
         if self.store is None:  # nothing to wait for: the work starts now
             self.busy_since = time.time()
         start = time.perf_counter()

@@ -41,7 +41,7 @@ REWARD_FUNCTIONS = Registry("reward function")
 PIPELINE_COLUMNS = frozenset({
     "responses", "response_token_ids", "behavior_logprobs", "prompt_token_ids", "response_lengths",
     "policy_version", "group_uid", "train_step", "rewards", "advantages", "reward_errors", "reward_timeouts",
-    "generator_id", "generate_start", "generate_end",
+    "generator_id", "generate_start", "generate_end", "policy_version_max", "token_policy_versions",
 })
 
 

@@ -32,9 +32,13 @@ from typing import Iterator, Sequence
 import numpy as np
 import pandas as pd
 
+# `policy_version` is the oldest version that sampled a token of the group (what staleness counts),
+# `policy_version_max` the newest: they differ only under partial rollout, where `token_policy_versions`
+# gives the version of every response token.
 ROLLOUT_COLUMNS = [
-    "prompt_id", "group_uid", "epoch", "policy_version", "train_step", "staleness", "prompt",
-    "responses", "response_lengths", "rewards", "advantages", "reward_errors", "reward_timeouts", "used", "dropped",
+    "prompt_id", "group_uid", "epoch", "policy_version", "policy_version_max", "train_step", "staleness", "prompt",
+    "responses", "response_lengths", "token_policy_versions", "rewards", "advantages", "reward_errors",
+    "reward_timeouts", "used", "dropped",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
 # Wall-clock stamps a group collects on its way to a train step (Generate's, Reward's with timestamps=True, and
@@ -279,7 +283,7 @@ def _explode(rows: list[dict]) -> dict[str, list]:
             advantage = row["advantages"][index]
             samples["advantages"].append(float(advantage) if np.ndim(advantage) == 0 else
                                          [float(value) for value in advantage])
-            samples["staleness"].append(int(row.get("staleness", 0)))
+            samples["staleness"].append(_response_staleness(row, index))
             if with_ref:
                 refs = row.get("ref_logprobs")
                 samples["ref_logprobs"].append(None if refs is None else [float(v) for v in refs[index]])
@@ -287,6 +291,16 @@ def _explode(rows: list[dict]) -> dict[str, list]:
                 samples["returns"].append([float(v) for v in row["returns"][index]])
                 samples["old_values"].append([float(v) for v in row["values"][index]])
     return dict(samples)
+
+
+def _response_staleness(row: dict, index: int) -> int:
+    """train_step - the oldest version that sampled a token of response `index` (partial rollout: the
+    response's own tokens; otherwise the group's one version)."""
+    staleness = int(row.get("staleness", 0))
+    versions = row.get("token_policy_versions")
+    if versions is None or "policy_version" not in row or not len(versions[index]):
+        return staleness
+    return staleness + int(row["policy_version"]) - int(min(versions[index]))
 
 
 def _generate_intervals(rows: list[dict]) -> list[tuple[str, float, float]]:
@@ -321,11 +335,18 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
     table["used"] = table["dropped"].isna()
     table["train_step"] = step
     table["staleness"] = step - table["policy_version"].astype(int)
+    if "policy_version_max" not in table.columns:  # one version per group (call-synchronous engines)
+        table["policy_version_max"] = table["policy_version"]
+    if "token_policy_versions" not in table.columns:
+        table["token_policy_versions"] = [[[int(version)] * int(length) for length in lengths] for version, lengths
+                                          in zip(table["policy_version"], table["response_lengths"])]
     for column in ROLLOUT_COLUMNS:
         if column not in table.columns:
             table[column] = None
     for column in ("responses", "response_lengths", "rewards", "advantages"):
         table[column] = table[column].map(list)
+    table["token_policy_versions"] = table["token_policy_versions"].map(
+        lambda cell: [[int(v) for v in response] for response in cell])
     critic = [column for column in CRITIC_COLUMNS if column in table.columns]
     for column in set(critic) - {"critic_version"}:
         table[column] = table[column].map(lambda cell: [[float(v) for v in response] for response in cell])

@@ -45,8 +45,9 @@ CRITIC_DIR = "critic"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # `used`: the group was in its step's update (dynamic sampling leaves some out, `dropped` says why:
 # zero_variance or surplus); `trained`: the step's update was applied (not skipped for a non-finite loss).
-LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "staleness", "trained",
-                  "used", "dropped"]
+# `policy_version` / `policy_version_max`: the oldest / newest version that sampled a token of the group.
+LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "policy_version_max", "staleness",
+                  "trained", "used", "dropped"]
 
 
 class CheckpointError(RuntimeError):

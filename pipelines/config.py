@@ -179,6 +179,9 @@ class VLLMOptions(_Section):
     )
 
 
+IN_FLIGHT_ENGINES = ("vllm", "sim")  # as operators.engines.base.IN_FLIGHT_ENGINES (not imported: it pulls numpy)
+
+
 def vllm_installed() -> bool:
     from operators.engines.vllm import vllm_available
 
@@ -210,6 +213,30 @@ class RolloutConfig(_Section):
         "generation on the nodes started with `ray start --resources '{\"rollout_node\": 8}'`."
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per generate actor.")
+    in_flight: Optional[bool] = Field(
+        None, description="Run the engine as an async engine with many requests in flight, fed by several "
+        "generate calls at once, each group leaving the moment its n samples are done (operators/rollout.py). "
+        "Default: on for engine vllm, off for hf (call-synchronous: one call at a time per actor)."
+    )
+    max_seqs_in_flight: int = Field(
+        256, ge=1, description="In flight: most sequences decoding at once per engine (a freed slot is refilled "
+        "at once); also vLLM's max_num_seqs."
+    )
+    calls_in_flight: int = Field(
+        0, ge=0, description="In flight: generate calls each actor runs at once; 0: enough to fill "
+        "max_seqs_in_flight (ceil(max_seqs_in_flight / (groups_per_call x n))) plus one, so a call is always ready "
+        "when one ends."
+    )
+    partial_rollout: bool = Field(
+        False, description="In flight: on a new policy version, pause the requests in flight, load the weights "
+        "and go on decoding them with the new ones (tokens record their version: token_policy_versions); "
+        "false: every response comes from one version (see update_when)."
+    )
+    update_when: Literal["drain", "idle"] = Field(
+        "drain", description="In flight without partial rollout: when a new version is loaded. 'drain': at once; "
+        "requests in flight finish with the old weights while new ones wait. 'idle': once nothing is in flight; "
+        "until then admissible requests still start with the old weights."
+    )
 
     @field_validator("engine")
     @classmethod
@@ -220,6 +247,34 @@ class RolloutConfig(_Section):
                 "`make install-vllm-gpu` (GPU), or use engine: hf"
             )
         return engine
+
+    @model_validator(mode="after")
+    def _in_flight_engine(self) -> "RolloutConfig":
+        if self.in_flight and self.engine not in IN_FLIGHT_ENGINES:
+            raise ValueError(
+                f"in_flight: engine {self.engine!r} is call-synchronous (it cannot keep requests in flight); "
+                "use engine: vllm, or in_flight: false"
+            )
+        if self.partial_rollout and not self.uses_in_flight():
+            if self.engine in IN_FLIGHT_ENGINES:
+                raise ValueError("partial_rollout: needs the engine's requests kept in flight, but in_flight is false; "
+                                 "set in_flight: true, or partial_rollout: false")
+            raise ValueError(
+                f"partial_rollout: engine {self.engine!r} cannot pause requests in flight and load new weights under "
+                "them; use engine: vllm, or partial_rollout: false"
+            )
+        return self
+
+    def uses_in_flight(self) -> bool:
+        return self.engine in IN_FLIGHT_ENGINES if self.in_flight is None else bool(self.in_flight)
+
+    def actor_calls(self) -> int:
+        """Generate calls each actor runs at once (1 when call-synchronous)."""
+        if not self.uses_in_flight():
+            return 1
+        if self.calls_in_flight:
+            return self.calls_in_flight
+        return -(-self.max_seqs_in_flight // (self.groups_per_call * self.n)) + 1
 
 
 class RewardFunctionConfig(_Section):

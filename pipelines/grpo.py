@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import pandas as pd
 import ray
 from ray.data import ActorPoolStrategy
+from ray.data.context import DEFAULT_TARGET_MAX_BLOCK_SIZE
 
 from operators.advantage import Advantage
 from operators.generate import Generate
@@ -64,6 +65,9 @@ class JobResult:
     output_dir: Path = Path(".")
     resume_id: str | None = None  # what `--resume` takes: the MLflow run id, or a local id when untracked
     eval_metrics: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per evaluated policy version
+    # In-flight engines: one row per weight update of a generator (pull_s and prepare_s overlapped decoding;
+    # pause_s is the stall: drain_s + load_s + resume), from every attempt.
+    weight_updates: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def resolve_model_path(model: ModelConfig) -> str:
@@ -92,11 +96,13 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
 
 
-def engine_options(cfg: JobConfig, engine: str | None = None) -> dict:
-    """Constructor options of `engine` (default: the configured rollout engine)."""
+def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False) -> dict:
+    """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form)."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
     if (engine or cfg.rollout.engine) == "vllm":
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
+        if in_flight:
+            options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
     return options
 
 
@@ -110,8 +116,15 @@ def build_rl_dataset(
     `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
     critic group (start_critic_group) when the config has a critic."""
     remote_args = remote_args or {}
+    in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # a reordered stream blocks generate heads-of-line at staleness 0
+    # Call-synchronous: keep the order (a reordered stream blocks generate heads-of-line at staleness 0).
+    # In flight: calls run side by side in one actor, so nothing blocks; keeping the order would hold every
+    # group of a later call until the earlier calls finish, the very wait in-flight generation removes.
+    ctx.execution_options.preserve_order = not in_flight
+    # In flight: each group Generate yields becomes its own block and leaves at once (Ray Data otherwise
+    # coalesces a call's output up to this size, i.e. until the call ends).
+    ctx.target_max_block_size = 1 if in_flight else DEFAULT_TARGET_MAX_BLOCK_SIZE
     ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
     ctx.print_on_execution_start = False
     ds = ray.data.from_pandas(schedule)
@@ -122,9 +135,15 @@ def build_rl_dataset(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
             max_staleness=cfg.train.max_staleness,
-            engine_options=engine_options(cfg),
+            engine_options=engine_options(cfg, in_flight=in_flight),
+            in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
+            partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
         ),
-        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=1),
+        # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
+        # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time.
+        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=calls,
+                                  max_concurrent_calls_per_actor=calls if in_flight else None,
+                                  enable_true_multi_threading=True if in_flight else None),
         num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",
         **remote_args.get("generate", {}),
     )
@@ -288,7 +307,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     run_info = {"run_id": run_id, "dataset": source, "dataset_digest": digest, "model_path": model_path}
     if held_out is not None:
         tracker.log_dataset(held_out[0], held_out[1], "eval")
-    rows, status, restarts, placement = [], "FAILED", 0, []
+    rows, status, restarts, placement, loads = [], "FAILED", 0, [], []
     evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id)
     try:
         with ray_session(cfg):
@@ -296,7 +315,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
             while True:
                 try:
                     placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
-                                             progress, evaluation)
+                                             progress, evaluation, loads)
                     break
                 except Exception as err:
                     if not is_process_death(err) or restarts >= cfg.train.max_restarts:
@@ -312,10 +331,16 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                     progress.restart(start)
         if rows:
             overlap = overlap_report([row["timeline"] for row in rows])
-            tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()}})
+            tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()},
+                              **weight_update_summary(loads)})
             echo(f"streamrl: overlap efficiency {overlap['overlap_efficiency']:.2f} "
                  f"(trainer idle {overlap['trainer_idle_fraction']:.0%}, "
                  f"generators idle {overlap['generator_idle_fraction']:.0%} over {overlap['window_s']:.0f}s)")
+            if loads:
+                summary = weight_update_summary(loads)
+                echo(f"streamrl: {len(loads)} weight updates in flight: pause {summary['job_weight_pause_s_median'] * 1e3:.0f} ms "
+                     f"median ({summary['job_weight_pause_s_max'] * 1e3:.0f} ms max); pull + prepare "
+                     f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on")
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -331,7 +356,20 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     final = run_dir.latest_valid(echo, hashes=False)
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
     return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
-                     output_dir, resume_id=run_id, eval_metrics=evaluation.table())
+                     output_dir, resume_id=run_id, eval_metrics=evaluation.table(), weight_updates=pd.DataFrame(loads))
+
+
+def weight_update_summary(loads: list[dict]) -> dict[str, float]:
+    """Job metrics of the in-flight engines' weight updates (none for call-synchronous engines)."""
+    if not loads:
+        return {}
+    import numpy as np
+
+    pause = np.array([load["pause_s"] for load in loads])
+    overlapped = np.array([load["pull_s"] + load["prepare_s"] for load in loads])
+    return {"job_weight_updates": len(loads), "job_weight_pause_s_median": float(np.median(pause)),
+            "job_weight_pause_s_max": float(pause.max()), "job_weight_pause_s_total": float(pause.sum()),
+            "job_weight_pull_prepare_s_median": float(np.median(overlapped))}
 
 
 def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
@@ -382,7 +420,7 @@ class EvalPlan:
 
 
 def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress,
-                 evaluation: EvalPlan) -> list[dict]:
+                 evaluation: EvalPlan, loads: list[dict]) -> list[dict]:
     """One try: a fresh policy store, trainer group and DAG (and evaluator), from `checkpoint`
     (None: step 0). Returns where the trainer ranks ran."""
     first = checkpoint.step if checkpoint else 0
@@ -434,6 +472,10 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         if evaluator is not None:
             evaluator.close()
         stop_trainer_group(workers)
+        try:
+            loads.extend(ray.get(store.load_log.remote(), timeout=10))
+        except Exception:  # the store died with the attempt: its log is lost, the job is not
+            pass
         ray.kill(store)
         if critics is not None:
             stop_trainer_group(critics)

@@ -25,6 +25,7 @@ class PolicyStore:
         self.publish_times: list[float] = []
         self.retain = set(retain)
         self.retained: dict[int, object] = {}  # version -> weights ref, kept for a reader
+        self.loads: list[dict] = []  # what in-flight generators report per weight update (operators/rollout.py)
 
     async def publish(self, version: int, weights_ref_box: list) -> None:
         """`weights_ref_box` is `[ray.put(state_dict)]`: boxed so Ray passes the reference."""
@@ -59,6 +60,14 @@ class PolicyStore:
             if version == self.version:
                 return [self.weights_ref]
         raise KeyError(f"policy version {version} was replaced by {self.version} and not retained")
+
+    async def record_load(self, generator_id: str, record: dict) -> None:
+        """An in-flight generator loaded a version: its pull, prepare and pause seconds."""
+        self.loads.append({"generator_id": generator_id, **record})
+        del self.loads[:-10_000]
+
+    async def load_log(self) -> list[dict]:
+        return list(self.loads)
 
     async def release(self, version: int) -> None:
         """Drop a retained version (its reader has it)."""

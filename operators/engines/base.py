@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Any, AsyncIterator, Mapping, Protocol
 
 import numpy as np
 
@@ -17,6 +17,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    min_new_tokens: int = 0  # no EOS before this many tokens (benchmarks and tests of long decodes)
 
 
 @dataclass
@@ -54,3 +55,83 @@ def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
 
         return SimEngine(model_path, **options)
     raise ValueError(f"unknown rollout engine {name!r}; use 'hf', 'vllm' or 'sim'")
+
+
+IN_FLIGHT_ENGINES = ("vllm", "sim")  # engines with an InFlightEngine form (many requests, pause/resume)
+
+
+def make_in_flight_engine(name: str, model_path: str, **options) -> InFlightEngine:
+    """The in-flight form of engine `name`, for a RolloutLoop (operators/rollout.py)."""
+    if name == "vllm":
+        from operators.engines.vllm_async import AsyncVLLMEngine
+
+        return AsyncVLLMEngine(model_path, **options)
+    elif name == "sim":
+        from operators.engines.sim import SimEngine
+
+        return SimEngine(model_path, **options)
+    raise ValueError(f"rollout engine {name!r} has no in-flight form (call-synchronous only); "
+                     f"use one of {', '.join(IN_FLIGHT_ENGINES)} or rollout.in_flight: false")
+
+
+# --- in-flight engines ---------------------------------------------------------------------------
+# An engine with many requests in flight (vLLM's AsyncLLM, the simulator's decode server) is driven by a
+# `RolloutLoop` (operators/rollout.py) on one asyncio event loop of its own: the loop owns the engine,
+# feeds it from several Generate calls at once, tags every token with the policy version loaded when
+# the token arrived, and swaps weights with pause -> load -> resume.
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one of a request's `n` samples, as the engine streams them."""
+
+    sample: int  # which of the n responses (0..n-1)
+    token_ids: list[int]
+    logprobs: list[float]  # one per token, as in GroupSample
+    finished: bool = False
+
+
+class InFlightEngine(Protocol):
+    """Every coroutine runs on the RolloutLoop's event loop; `prepare_weights` runs in a worker thread.
+
+    Contract for partial rollout (`can_pause`): after `pause("keep")` returns, the engine samples no token
+    until `resume()`; every token sampled before the pause has been (or, while paused, is still being)
+    delivered by `stream`, never after `resume()` is called. `pause("wait")` returns once every request
+    in flight has finished (new requests are held, not started, until `resume()`)."""
+
+    can_pause: bool
+
+    async def start(self) -> None:
+        """Create the engine on the running loop (once, before anything else)."""
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """Prompt token ids, as RolloutEngine.encode."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        """A response's text (special tokens skipped)."""
+
+    def stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, seed: int, request_id: str, cache_salt: str
+    ) -> AsyncIterator[TokenDelta]:
+        """Sample `params.n` responses to one prompt; yields deltas until every sample has finished.
+        `cache_salt` changes with the policy version so no KV block of older weights is reused by a new
+        request (in-flight requests keep theirs)."""
+
+    def prepare_weights(self, state_dict: Mapping[str, np.ndarray]) -> Any:
+        """Get the weights ready to load (e.g. write them where the engine's workers read them) while
+        decoding continues; returns what `load_prepared` takes."""
+
+    async def pause(self, mode: str) -> None:
+        """'keep': freeze requests in flight; 'wait': let them finish. New requests wait for resume()."""
+
+    async def load_prepared(self, prepared: Any) -> None:
+        """Replace the weights in place (while paused)."""
+
+    async def resume(self) -> None:
+        """Continue: frozen requests go on with the new weights; held requests start."""
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a request in flight (its caller is gone)."""
+
+    async def shutdown(self) -> None:
+        """Stop the engine's processes."""

@@ -41,6 +41,7 @@ class HFEngine:
             do_sample=not greedy,
             **sampling,
             max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens or None,
             num_return_sequences=params.n,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,

