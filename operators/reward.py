@@ -210,6 +210,13 @@ class RewardSandbox:
         self._conn = None
         self._finalizer = None
         self.starts = 0
+        # One call at a time on the pipe: Reward may be called from several threads (in a threaded
+        # generate actor, reward.placement "generate" with the in-flight engine).
+        self._lock = threading.Lock()
+        # The child is started from a thread of its own that lives as long as this object: Linux sends the
+        # parent-death signal when the *thread* that forked the child exits, and a calling thread may be
+        # short-lived (measured: children started from finished threads were SIGKILLed mid-call).
+        self._starter = None
 
     @property
     def pid(self) -> int | None:
@@ -251,9 +258,19 @@ class RewardSandbox:
     ) -> tuple[np.ndarray | None, str | None]:
         """(scores with NaN for failed samples, None), or (None, 'timeout'), or (None, what went wrong)
         when the child died or could not answer."""
+        with self._lock:
+            return self._call(name, completions, kwargs, timeout_s)
+
+    def _call(
+        self, name: str, completions: list[str], kwargs: dict[str, list], timeout_s: float,
+    ) -> tuple[np.ndarray | None, str | None]:
         if self.process is None or not self.process.is_alive():
             self.close()
-            self._start()
+            if self._starter is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._starter = ThreadPoolExecutor(1, thread_name_prefix="streamrl-reward-sandbox")
+            self._starter.submit(self._start).result()
         try:
             self._conn.send((name, completions, kwargs))
         except (OSError, ValueError) as err:  # BrokenPipeError: the child died between calls

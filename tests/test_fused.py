@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pandas as pd
 import pytest
 import ray
 
 from operators.advantage import Advantage
 from operators.reward import Reward
+from operators.train import Train
 from pipelines.fused import Chain
 
 
@@ -73,3 +77,64 @@ def test_reward_timestamps_are_opt_in():
     assert "reward_start" not in Reward()(batch).columns
     stamped = Reward(timestamps=True)(batch)
     assert (stamped["reward_start"] <= stamped["reward_end"]).all()
+
+
+class RecordedTrain(Train):
+    """The Train operator with its step recorded instead of run on DeepSpeed ranks: what is checked
+    here is the buffering and ordering around the step, which calls side by side share."""
+
+    def _run_step(self, step: int, rows: list[dict]) -> pd.DataFrame:
+        self.trained.append((step, sorted(row["group_uid"] for row in rows)))
+        time.sleep(0.002)  # a step takes a while: other calls arrive meanwhile
+        return pd.DataFrame([{"step": step}])
+
+
+def test_train_calls_side_by_side_train_every_step_once_in_order():
+    steps, groups = 30, 3
+    train = RecordedTrain([], groups_per_step=groups, total_steps=steps)
+    train.trained = []
+    # Arrival order mixes neighbouring steps, as several generators would.
+    rows = [{"group_uid": f"s{step}g{group}", "train_step": step, "policy_version": step}
+            for step in range(steps) for group in range(groups)]
+    order = sorted(range(len(rows)), key=lambda index: index + (7 if index % 4 == 0 else 0))
+    pending = [pd.DataFrame([rows[index]]) for index in order]
+    lock, emitted = threading.Lock(), []
+
+    def call_loop():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                batch = pending.pop(0)
+            for frame in train(batch):
+                emitted.append(int(frame["step"].iloc[0]))
+
+    threads = [threading.Thread(target=call_loop) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [step for step, _ in train.trained] == list(range(steps))  # each once, in order, none left behind
+    assert all(uids == [f"s{step}g{g}" for g in range(groups)] for step, uids in train.trained)
+    assert emitted == list(range(steps))  # the rows leave in step order too
+    assert not train.buffer
+
+
+def test_reward_sandbox_serves_calls_from_several_threads():
+    reward = Reward(timeout_s=30)
+    try:
+        answers = [str(a) for a in range(12)]
+        batches = [groups([a], [[a, "x", a]]) for a in answers]
+        results: dict[str, list] = {}
+
+        def score(batch):
+            results[batch["answer"].iloc[0]] = reward(batch)["rewards"].iloc[0]
+
+        threads = [threading.Thread(target=score, args=(batch,)) for batch in batches]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert results == {a: [1.0, 0.0, 1.0] for a in answers}
+    finally:
+        reward.close()
