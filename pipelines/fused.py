@@ -40,3 +40,10 @@ class Chain:
         out = self.stages[index](batch)
         for part in (out if isinstance(out, Iterator) else (out,)):
             yield from self._run(index + 1, part)
+
+    def close(self) -> None:
+        """Close the stages that hold resources (an engine, a reward sandbox)."""
+        for stage in self.stages:
+            close = getattr(stage, "close", None)
+            if callable(close):
+                close()
