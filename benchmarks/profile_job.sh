@@ -17,7 +17,7 @@ until grep -q "step    1/" "$LOG"; do sleep 1; kill -0 $JOB 2>/dev/null || { cat
 declare -A PIDS=(
   [generate]=$(pgrep -f "ray::MapWorker\(MapBatches\(Generate\)\)" | head -1)
   [trainer]=$(pgrep -f "ray::TrainWorker" | head -1)
-  [train_op]=$(pgrep -f "ray::MapWorker\(MapBatches\(Train\)\)" | head -1)
+  [train_op]=$(pgrep -f "ray::MapWorker\(MapBatches\(AdvantageTrain\)\)" | head -1)
 )
 for name in "${!PIDS[@]}"; do
   "$(dirname "$PY")/py-spy" record --pid "${PIDS[$name]}" --duration "$SECONDS_" --rate 100 --format raw \

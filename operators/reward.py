@@ -210,6 +210,13 @@ class RewardSandbox:
         self._conn = None
         self._finalizer = None
         self.starts = 0
+        # One call at a time on the pipe: Reward may be called from several threads (in a threaded
+        # generate actor, reward.placement "generate" with the in-flight engine).
+        self._lock = threading.Lock()
+        # The child is started from a thread of its own that lives as long as this object: Linux sends the
+        # parent-death signal when the *thread* that forked the child exits, and a calling thread may be
+        # short-lived (measured: children started from finished threads were SIGKILLed mid-call).
+        self._starter = None
 
     @property
     def pid(self) -> int | None:
@@ -251,9 +258,19 @@ class RewardSandbox:
     ) -> tuple[np.ndarray | None, str | None]:
         """(scores with NaN for failed samples, None), or (None, 'timeout'), or (None, what went wrong)
         when the child died or could not answer."""
+        with self._lock:
+            return self._call(name, completions, kwargs, timeout_s)
+
+    def _call(
+        self, name: str, completions: list[str], kwargs: dict[str, list], timeout_s: float,
+    ) -> tuple[np.ndarray | None, str | None]:
         if self.process is None or not self.process.is_alive():
             self.close()
-            self._start()
+            if self._starter is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._starter = ThreadPoolExecutor(1, thread_name_prefix="streamrl-reward-sandbox")
+            self._starter.submit(self._start).result()
         try:
             self._conn.send((name, completions, kwargs))
         except (OSError, ValueError) as err:  # BrokenPipeError: the child died between calls
@@ -279,7 +296,9 @@ class Reward:
 
     Also adds `reward_errors` (samples that fell back to `on_error`), `reward_timeouts` (samples
     whose function call ran over `timeout_s`; they count in `reward_errors` too), one list
-    column `reward_<name>` per function, and `time_reward` (seconds of this call per row).
+    column `reward_<name>` per function, and `time_reward` (seconds of this call per row). With
+    `timestamps=True`, also the call's wall-clock interval `reward_start`, `reward_end` (the RL
+    pipeline's, from which benchmarks/loop_latency.py measures the hops between stages).
 
     `timeout_s` > 0 runs the functions in a sandbox child process (see `RewardSandbox`),
     started on the first call and reused: a call (one function, the whole batch) that does not
@@ -292,8 +311,9 @@ class Reward:
 
     def __init__(
         self, functions: Sequence[tuple[str, float]] = (("arithmetic_exact", 1.0),), on_error: float = 0.0,
-        timeout_s: float = 0.0,
+        timeout_s: float = 0.0, timestamps: bool = False,
     ):
+        self.timestamps = timestamps
         self.functions = [(name, float(weight), resolve_reward_function(name)) for name, weight in functions]
         self.on_error = float(on_error)
         if timeout_s < 0:
@@ -329,6 +349,7 @@ class Reward:
         return scores, failed, timed_out
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        wall_start = time.time()
         start = time.perf_counter()
         batch = batch.copy()
         if batch.empty:
@@ -356,4 +377,6 @@ class Reward:
         batch["reward_errors"] = [int(part.sum()) for part in np.split(errors, splits)]
         batch["reward_timeouts"] = [int(part.sum()) for part in np.split(timeouts, splits)]
         batch["time_reward"] = (time.perf_counter() - start) / max(len(batch), 1)
+        if self.timestamps:
+            batch["reward_start"], batch["reward_end"] = wall_start, time.time()
         return batch

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -41,6 +42,9 @@ ROLLOUT_COLUMNS = [
     "reward_timeouts", "used", "dropped",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
+# Wall-clock stamps a group collects on its way to a train step (Generate's, Reward's with timestamps=True, and
+# when this operator received it), kept per step in the `timeline` for benchmarks/loop_latency.py.
+STAMPS = ("generate_start", "generate_end", "reward_start", "reward_end", "train_arrive")
 # With a critic: the version that valued the group, and per response token its values and return targets.
 CRITIC_COLUMNS = ["critic_version", "values", "returns"]
 
@@ -103,25 +107,50 @@ class Train:
         self.last_step_end = time.perf_counter()
         self.idle_seconds = 0.0
         self.busy_seconds = 0.0
+        # Calls may run side by side (the RL DAG runs this in a threaded actor, so the next step's groups
+        # are taken in while a step trains and it can start the moment that one ends). `_state` guards the
+        # buffer and its bookkeeping; `_training` lets one call at a time train, steps in order.
+        self._state = threading.Lock()
+        self._training = threading.Lock()
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
-        for row in batch.to_dict("records"):
-            step = int(row["train_step"])
-            uid = row.get("group_uid")
-            if uid is not None and uid in self.seen:  # a retried task's output, or already in the ledger
-                self.duplicates += 1
-                continue
-            if not self.next_step <= step < self.end_step:
-                raise ValueError(f"row {uid} is for step {step}, outside [{self.next_step}, {self.end_step})")
-            if uid is not None:
-                self.seen.add(uid)
-            self.buffer[step].append(row)
-        while len(self.buffer.get(self.next_step, ())) >= self.generated_per_step:
+        arrived = time.time()
+        with self._state:
+            for row in batch.to_dict("records"):
+                row["train_arrive"] = arrived
+                step = int(row["train_step"])
+                uid = row.get("group_uid")
+                if uid is not None and uid in self.seen:  # a retried task's output, or already in the ledger
+                    self.duplicates += 1
+                    continue
+                if not self.next_step <= step < self.end_step:
+                    raise ValueError(f"row {uid} is for step {step}, outside [{self.next_step}, {self.end_step})")
+                if uid is not None:
+                    self.seen.add(uid)
+                self.buffer[step].append(row)
+        while self._pop_ready(peek=True):
+            if not self._training.acquire(blocking=False):
+                return  # the call training now looks again after it lets go, and trains this step then
+            try:
+                while (ready := self._pop_ready()) is not None:
+                    yield self._run_step(*ready)  # the lock is held across the yield: rows leave in step order
+            finally:
+                self._training.release()
+
+    def _pop_ready(self, peek: bool = False):
+        """The next step's number and rows (schedule order) if all its groups are in, else None; with
+        `peek`, only whether they are."""
+        with self._state:
+            if len(self.buffer.get(self.next_step, ())) < self.generated_per_step:
+                return None
+            if peek:
+                return True
             # In schedule order, not arrival order: the step's sums (loss, gradient) then add up in the
             # same order however the stream interleaved the calls, so a resumed run repeats the same floats.
-            rows = sorted(self.buffer.pop(self.next_step), key=lambda row: str(row.get("group_uid")))
-            yield self._run_step(self.next_step, rows)
+            step = self.next_step
+            rows = sorted(self.buffer.pop(step), key=lambda row: str(row.get("group_uid")))
             self.next_step += 1
+            return step, rows
 
     def _run_step(self, step: int, rows: list[dict]) -> pd.DataFrame:
         import ray
@@ -189,7 +218,8 @@ class Train:
         metrics["time_checkpoint"] = time.perf_counter() - checkpoint_start  # trainer blocked while it writes
         # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
         # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
-        timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows)})
+        timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows),
+                               "stamps": _stamps(generated)})
         return pd.DataFrame([{
             **metrics, "timeline": timeline, "rollouts_parquet": _to_parquet(table),
             "checkpoint_path": str(checkpoint) if checkpoint else None,
@@ -304,6 +334,15 @@ def _generate_intervals(rows: list[dict]) -> list[tuple[str, float, float]]:
         for row in rows if row.get("generate_start") is not None
     }
     return sorted(calls, key=lambda call: call[1])
+
+
+def _stamps(rows: list[dict]) -> dict[str, list]:
+    """Per stamp, its value for each group of the step (None where a row lacks it)."""
+    def value(row: dict, name: str) -> float | None:
+        stamp = row.get(name)
+        return None if stamp is None or pd.isna(stamp) else float(stamp)
+
+    return {name: [value(row, name) for row in rows] for name in STAMPS}
 
 
 def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:

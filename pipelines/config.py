@@ -308,8 +308,13 @@ class RewardConfig(_Section):
     success_threshold: float = Field(
         1.0, description="A sample whose summed reward is at least this counts as a success (success_rate)."
     )
-    num_actors: int = Field(1, ge=1, description="Reward actors in the pool.")
-    num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per reward actor.")
+    placement: Literal["stage", "generate"] = Field(
+        "stage", description="Where rewards are computed: stage (an actor pool of its own, num_actors x "
+        "num_cpus; for costly rewards) or generate (in the generate actor that sampled the group, right after "
+        "it: one Ray Data hop less per loop, for cheap rewards; num_actors and num_cpus are then unused)."
+    )
+    num_actors: int = Field(1, ge=1, description="Reward actors in the pool (placement: stage).")
+    num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per reward actor (placement: stage).")
     timeout_s: float = Field(
         60, ge=0, description="Seconds one reward function call (one batch) may take. With a limit, functions run "
         "in a child process of the reward actor, killed and replaced when a call runs over; that batch's samples "

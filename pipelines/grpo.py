@@ -2,10 +2,12 @@
 
     schedule (prompt groups, each tagged with the train step it will feed)
       -> Generate   actor pool; admission-gated on the policy store (>= step - max_staleness)
-      -> Reward     actor pool; weighted reward functions, failures contained
+      -> Reward     actor pool; weighted reward functions, failures contained (reward.placement
+                    "generate": in the generate actors instead, one stage)
       -> [Value]    PPO with a critic: per-token values from the critic store (its own DeepSpeed group)
-      -> Advantage  group-relative estimator, or GAE from the values
-      -> Train      buffers a step's groups, steps the DeepSpeed group, publishes weights
+      -> Advantage  group-relative estimator, or GAE from the values   } one stage, one actor
+      -> Train      buffers a step's groups, steps the DeepSpeed group,  } (pipelines/fused.py)
+                    publishes weights
       -> one row of metrics + rollouts per step -> MLflow, terminal
     beside it (eval set): an evaluator actor scores held-out prompts with retained policy versions
 
@@ -40,10 +42,11 @@ from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, dataset_dige
 from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
+from pipelines.fused import Chain
 from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
-from pipelines.resources import stage_options
+from pipelines.resources import DAG_HELPER_CPUS, stage_options
 from pipelines.resume import (
     AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
 )
@@ -104,6 +107,51 @@ def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = 
     return options
 
 
+# How long one round of Ray Data's scheduling loop waits for tasks to finish (Ray's default: 0.1 s).
+SCHEDULING_WAIT_S = 0.01
+
+
+def shorten_scheduling_wait(seconds: float = SCHEDULING_WAIT_S) -> None:
+    """Ray Data's streaming executor calls ray.wait(every active task, num_returns=all, timeout=0.1 s)
+    each round. The RL DAG always has a task that waits for long (a generate call held by the staleness
+    gate, the Train stage's calls), so every round lasts the whole timeout, and each hop between stages
+    (a block handed on, the next call dispatched) waits for the next round: up to 100 ms, on the loop's
+    critical path. 10 ms rounds cost the driver ~1-4 ms of CPU each (measured: benchmarks/loop_latency.py).
+
+    Private API: `WAIT_FOR_TASK_COMPLETION_TIMEOUT_S` is a module constant of Ray Data's executor (Ray
+    2.60, read at each call), with no public setting; left alone if a Ray version lacks it.
+    """
+    from ray.data._internal.execution import streaming_executor_state
+
+    if hasattr(streaming_executor_state, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
+        streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
+
+
+def drop_object_store_budget(ctx: ray.data.DataContext) -> None:
+    """Run the RL DAG without Ray Data's ResourceBudgetBackpressurePolicy.
+
+    That policy gives each operator a budget of object-store memory for the outputs of its tasks in
+    flight; while a long call runs (a train step inside the Train stage's call, a generate call held by the
+    staleness gate) it dispatches nothing more to the operator, so a group that is ready waits for the
+    call ahead of it to end (measured in benchmarks/loop_latency.py). The RL DAG does not need it: the
+    staleness gate bounds what is in flight (at most max_staleness + 1 steps of groups), every stage is a
+    fixed-size actor pool (no CPU budget to keep), and the prompt schedule is a small in-memory table. The
+    other policies (concurrency caps, downstream capacity) stay.
+
+    Private API: the config key and the policy classes are Ray Data internals (Ray 2.60); if they move,
+    the DAG keeps Ray's defaults.
+    """
+    try:
+        from ray.data._internal.execution import backpressure_policy as policies
+    except ImportError:
+        return
+    default = getattr(policies, "ENABLED_BACKPRESSURE_POLICIES", None)
+    key = getattr(policies, "ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY", None)
+    if default is None or key is None:
+        return
+    ctx.set_config(key, [policy for policy in default if policy.__name__ != "ResourceBudgetBackpressurePolicy"])
+
+
 def build_rl_dataset(
     schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers,
     remote_args: dict[str, dict] | None = None, first_step: int = 0, checkpoint_options: dict | None = None,
@@ -115,6 +163,7 @@ def build_rl_dataset(
     critic group (start_critic_group) when the config has a critic."""
     remote_args = remote_args or {}
     in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
+    queued = calls if in_flight else 2
     ctx = ray.data.DataContext.get_current()
     # Call-synchronous: keep the order (a reordered stream blocks generate heads-of-line at staleness 0).
     # In flight: calls run side by side in one actor, so nothing blocks; keeping the order would hold every
@@ -125,35 +174,44 @@ def build_rl_dataset(
     ctx.target_max_block_size = 1 if in_flight else DEFAULT_TARGET_MAX_BLOCK_SIZE
     ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
     ctx.print_on_execution_start = False
+    shorten_scheduling_wait()
+    drop_object_store_budget(ctx)
     ds = ray.data.from_pandas(schedule)
+    generate = dict(
+        model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
+        max_staleness=cfg.train.max_staleness,
+        engine_options=engine_options(cfg, in_flight=in_flight),
+        in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
+        partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
+    )
+    reward = dict(
+        functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
+        timeout_s=cfg.reward.timeout_s, timestamps=True,
+    )
+    # reward.placement "generate": each group is scored in the generate actor that sampled it (one stage,
+    # one executor hop less on the loop); "stage": a reward actor pool of its own.
+    in_generate = cfg.reward.placement == "generate"
     ds = ds.map_batches(
-        Generate,
-        fn_constructor_kwargs=dict(
-            model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
-            max_staleness=cfg.train.max_staleness,
-            engine_options=engine_options(cfg, in_flight=in_flight),
-            in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
-            partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
-        ),
+        GenerateReward if in_generate else Generate,
+        fn_constructor_kwargs=dict(stages=[(Generate, generate), (Reward, reward)]) if in_generate else generate,
         # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
-        # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time.
-        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=calls,
+        # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time, with the
+        # next one already queued at the actor (it starts the moment its version is out, not one executor
+        # round trip after the previous call ended).
+        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=queued,
                                   max_concurrent_calls_per_actor=calls if in_flight else None,
                                   enable_true_multi_threading=True if in_flight else None),
         num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",
         **remote_args.get("generate", {}),
     )
-    ds = ds.map_batches(
-        Reward,
-        fn_constructor_kwargs=dict(
-            functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
-            timeout_s=cfg.reward.timeout_s,
-        ),
-        compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
-        batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
-    )
+    if not in_generate:
+        ds = ds.map_batches(
+            Reward, fn_constructor_kwargs=reward,
+            compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
+            batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
+        )
     if cfg.reference is not None:  # the design's ref_logprob stage: log-probs of a frozen reference policy
         ref = cfg.reference
         ds = ds.map_batches(
@@ -175,22 +233,38 @@ def build_rl_dataset(
             compute=ActorPoolStrategy(size=1), num_cpus=cfg.critic.value_num_cpus, batch_size=None,
             batch_format="pandas",
         )
-    ds = ds.map_batches(
-        Advantage, fn_constructor_kwargs=advantage_options(cfg),
-        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas",
-    )
+    # Advantage runs in the Train stage's actor: one executor trip less on the loop (pipelines/fused.py).
+    # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
+    # last checkpoint instead (run_job).
     return ds.map_batches(
-        Train,
-        fn_constructor_kwargs=dict(
-            workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
-            generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
-            first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
-            critics=list(critics or []), **(checkpoint_options or {}),
-        ),
-        # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
-        # last checkpoint instead (run_job).
-        compute=ActorPoolStrategy(size=1), num_cpus=0.05, batch_size=None, batch_format="pandas", max_restarts=0,
+        AdvantageTrain,
+        fn_constructor_kwargs=dict(stages=[
+            (Advantage, advantage_options(cfg)),
+            (Train, dict(
+                workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
+                generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
+                first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
+                critics=list(critics or []), **(checkpoint_options or {}),
+            )),
+        ]),
+        # Calls side by side (threads): the next step's groups are taken in while a step trains, so that
+        # step starts the moment this one ends (operators.train.Train is safe for it).
+        compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=TRAIN_CALLS,
+                                  max_concurrent_calls_per_actor=TRAIN_CALLS, enable_true_multi_threading=True),
+        num_cpus=DAG_HELPER_CPUS, batch_size=None, batch_format="pandas", max_restarts=0,
     )
+
+
+# Calls the last stage runs at once: one trains, the others take in groups meanwhile.
+TRAIN_CALLS = 4
+
+
+class AdvantageTrain(Chain):
+    """The RL DAG's last stage: Advantage, then Train, in one actor."""
+
+
+class GenerateReward(Chain):
+    """The RL DAG's first stage with reward.placement "generate": Generate, then Reward, in one actor."""
 
 
 def iter_steps(ds: ray.data.Dataset) -> Iterator[dict]:

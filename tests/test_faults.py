@@ -184,7 +184,8 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     # A restart reports steps again; each kill fires once.
     echo = KillAt({2: kill("generate", "Generate"), 3: kill("rank", "TrainWorker"),
                    4: kill("reward", "Reward"), 5: kill("rank", "TrainWorker")})
-    cfg = config(tmp_path, **{"train.max_staleness": 1, "train.max_restarts": 1})
+    # reward.placement stage: reward actors of their own, to kill (tiny_grpo.yaml scores in the generate actors)
+    cfg = config(tmp_path, **{"train.max_staleness": 1, "train.max_restarts": 1, "reward.placement": "stage"})
     with pytest.raises(JobFailed) as failure:
         run_job(cfg, echo=echo)
     assert len(killed["generate"]) == 1 and len(killed["reward"]) == 1 and len(killed["rank"]) == 2, killed

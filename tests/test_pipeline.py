@@ -39,7 +39,8 @@ def rollouts_of(run_id: str) -> pd.DataFrame:
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 def test_staleness_bound_and_exactly_once(ray_cluster, tmp_path, max_staleness):
-    cfg = short_job(tmp_path, max_staleness)
+    # tiny_grpo.yaml scores in the generate actors; one case runs the reward stage of its own
+    cfg = short_job(tmp_path, max_staleness, **({"reward.placement": "stage"} if max_staleness == 2 else {}))
     result = run_job(cfg)
     metrics = result.metrics
     assert metrics["step"].tolist() == list(range(STEPS))  # every step ran: no deadlock
@@ -61,6 +62,14 @@ def test_staleness_bound_and_exactly_once(ray_cluster, tmp_path, max_staleness):
         gate_train_start = timelines[step - max_staleness - 1]["train"][0]
         starts = [start for _, start, _ in timelines[step]["generate"]]
         assert starts and min(starts) > gate_train_start, (step, starts, gate_train_start)
+    # Each group's wall-clock stamps follow the DAG (what benchmarks/loop_latency.py measures hops from).
+    for entry in timelines:
+        stamps = entry["stamps"]
+        assert len(stamps["generate_end"]) == GROUPS
+        for index in range(GROUPS):
+            path = [stamps[name][index] for name in ("generate_start", "generate_end", "reward_start", "reward_end",
+                                                     "train_arrive")] + [entry["train"][0]]
+            assert path == sorted(path), path
 
 
 def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
