@@ -145,6 +145,8 @@ def mismatch_sums(log_rho: torch.Tensor, mask: torch.Tensor, staleness: torch.Te
     KL(pi_behave || pi_prox) on tokens sampled from pi_behave, with r = rho = pi_prox / pi_behave:
     k1 = -log r, k3 = (r - 1) - log r (Schulman, "Approximating KL divergence").
     Returns {"all": totals, "staleness": {s: totals}, "sketch": rho at SKETCH_LEVELS}, plain Python."""
+    # Statistics are computed on the host: a rank on a GPU hands its tensors over once, here.
+    log_rho, mask, staleness, truncated, masked = (t.detach().cpu() for t in (log_rho, mask, staleness, truncated, masked))
     valid = mask.bool()  # [B, T]
     values = log_rho.double()[valid].numpy()  # [N]
     out = {"all": _totals(values, truncated[valid].numpy(), masked[valid].numpy()), "staleness": {},

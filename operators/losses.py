@@ -46,6 +46,38 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logp.gather(dim=-1, index=tokens.long().unsqueeze(-1)).squeeze(-1)  # [B, T]
 
 
+def chunked_token_logprobs(
+    hidden: torch.Tensor, head, tokens: torch.Tensor, temperature: float, chunk_positions: int,
+    entropy_grad: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the chosen tokens and the entropy at each position, from the final hidden states,
+    `chunk_positions` positions at a time; hidden [B, T, H], tokens [B, T] -> ([B, T], [B, T]) fp32.
+
+    `head` maps hidden states to logits (the LM head). Only one chunk's [B, C, V] fp32 logits exist
+    at a time: under autograd each chunk is checkpointed (its logits are recomputed in backward from
+    the chunk's hidden states instead of being kept), so the memory of a long sequence over a large
+    vocabulary is B x C x V, not B x T x V. The entropy carries a gradient only when `entropy_grad`
+    (an entropy bonus in the loss); otherwise it is a metric, computed without a graph."""
+
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h).float() / temperature  # [B, C, V]
+        logprobs = token_logprobs(logits, t)  # [B, C]
+        if entropy_grad:
+            return logprobs, entropy_from_logits(logits)
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits.detach())  # [B, C]
+
+    from torch.utils.checkpoint import checkpoint
+
+    recompute = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, hidden.shape[1], max(1, chunk_positions)):
+        h, t = hidden[:, start:start + chunk_positions], tokens[:, start:start + chunk_positions]
+        parts.append(checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t))
+    logprobs, entropy = zip(*parts)
+    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1)  # [B, T] each
+
+
 # A log-ratio beyond this is clamped before exp: e^20 ~ 5e8 is far past any clip or cap, and an
 # unbounded exp overflows to inf (then NaN gradients) on a token the engine gave ~0 probability.
 LOG_RATIO_BOUND = 20.0

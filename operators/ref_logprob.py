@@ -37,7 +37,9 @@ class RefLogprob:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         torch.set_num_threads(torch_threads)
         self.torch = torch
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CUDA_VISIBLE_DEVICES from Ray
+        from operators.devices import local_device
+
+        self.device = local_device(torch, role="the reference model")  # its GPU from Ray, else the CPU
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, local_files_only=True, trust_remote_code=trust_remote_code,
             dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype],

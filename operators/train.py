@@ -68,6 +68,7 @@ class Train:
         generated_per_step: int | None = None,
         dynamic_sampling: bool = False,
         critics: Sequence = (),
+        mini_batches: int = 1,
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
         checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
@@ -78,7 +79,9 @@ class Train:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
         `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped.
         `critics`: the critic group's ranks (operators.value_worker.ValueWorker), trained each step on the
-        rows' `returns` and `values` (from the Value and Advantage stages)."""
+        rows' `returns` and `values` (from the Value and Advantage stages). `mini_batches`: the trainer's
+        (train.mini_batches); above 1 the ranks get equal sample counts, else equal token counts."""
+        self.mini_batches = mini_batches
         self.generated_per_step = generated_per_step or groups_per_step
         self.dynamic_sampling = dynamic_sampling
         self.hf_export = hf_export
@@ -170,7 +173,7 @@ class Train:
             rows = [{**row, "advantages": advantages} for row, advantages in zip(rows, whitened)]
         samples = _explode(rows)
         critic_samples = {key: samples.pop(key) for key in ("returns", "old_values") if key in samples}
-        shards = _shard(samples, len(self.workers))
+        shards = _shard(samples, len(self.workers), equal_counts=self.mini_batches > 1)
         global_tokens = int(sum(len(tokens) for tokens in samples["response_token_ids"]))
         calls = [
             worker.train_step.remote(shard, global_tokens, len(samples["advantages"]))
@@ -235,7 +238,8 @@ class Train:
                           "response_token_ids": samples["response_token_ids"], **critic_samples}
         count = len(critic_samples["response_token_ids"])
         return [critic.train_step.remote(shard, global_tokens, count)
-                for critic, shard in zip(self.critics, _shard(critic_samples, len(self.critics)))]
+                for critic, shard in zip(self.critics, _shard(critic_samples, len(self.critics),
+                                                              equal_counts=self.mini_batches > 1))]
 
     def _maybe_checkpoint(self, steps_done: int) -> Path | None:
         """After `steps_done` optimizer steps: write a checkpoint if one is due (policy version = steps_done)."""
@@ -345,9 +349,15 @@ def _stamps(rows: list[dict]) -> dict[str, list]:
     return {name: [value(row, name) for row in rows] for name in STAMPS}
 
 
-def _shard(samples: dict[str, list], world_size: int) -> list[dict[str, list]]:
-    size = len(samples["response_token_ids"]) // world_size  # config validation makes this exact
-    return [{key: values[rank * size:(rank + 1) * size] for key, values in samples.items()} for rank in range(world_size)]
+def _shard(samples: dict[str, list], world_size: int, equal_counts: bool = False) -> list[dict[str, list]]:
+    """The step's samples dealt to the ranks by tokens (prompt + response, what a rank computes on):
+    token counts within one sample of each other; `equal_counts` (several mini-batches per rank) keeps
+    the sample counts equal instead (operators.batching.balanced_shards)."""
+    from operators.batching import balanced_shards
+
+    lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+    return [{key: [values[i] for i in shard] for key, values in samples.items()}
+            for shard in balanced_shards(lengths, world_size, equal_counts)]
 
 
 def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None) -> pd.DataFrame:

@@ -18,6 +18,7 @@ import base64
 import contextlib
 import inspect
 import json
+import math
 import os
 import random
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from operators.correction import CorrectionSettings
+from operators.devices import dist_backend, local_device
 
 
 def _as_float32(values) -> np.ndarray:
@@ -61,16 +63,6 @@ class _StatSums:
                 self.sums[key] = self.sums.get(key, 0.0) + float(value) * tokens
                 self.tokens[key] = self.tokens.get(key, 0.0) + tokens
 
-    def merge(self, other: _StatSums) -> None:
-        for key, value in other.sums.items():
-            if key.endswith("_max"):
-                self.sums[key] = max(self.sums.get(key, float("-inf")), value)
-            elif key.endswith("_min"):
-                self.sums[key] = min(self.sums.get(key, float("inf")), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value
-                self.tokens[key] = self.tokens.get(key, 0.0) + other.tokens[key]
-
     def means(self) -> dict:
         return {key: value if key not in self.tokens else value / max(self.tokens[key], 1.0)
                 for key, value in self.sums.items()}
@@ -78,6 +70,28 @@ class _StatSums:
 
 class NonFiniteError(RuntimeError):
     """The loss or the weights became NaN/inf and the job must stop (nothing was published)."""
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The learning rate over optimizer steps, as a factor of the peak lr: a linear warm-up over
+    `warmup_steps` (lr/warmup_steps, 2 lr/warmup_steps, ... lr), then constant, or a cosine that
+    reaches `min_ratio` x lr at optimizer step `total_steps` (the job's last)."""
+
+    warmup_steps: int = 0
+    total_steps: int = 0
+    kind: str = "constant"
+    min_ratio: float = 0.0
+
+    def factor(self, step: int) -> float:
+        """The factor of optimizer step `step` (0 for the first)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "cosine":
+            span = max(self.total_steps - self.warmup_steps - 1, 1)
+            progress = min(max((step - self.warmup_steps) / span, 0.0), 1.0)
+            return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,9 @@ class TrainerSettings:
     max_new_tokens: int = 16
     trust_remote_code: bool = False
     micro_batch_tokens: int = 0
+    logits_chunk_tokens: int = 0  # log-probs of at most this many positions at once (0: all at once)
+    gradient_checkpointing: bool = False
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)
     zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job
     clip_ratio_c: float = 3.0  # decoupled_ppo's dual-clip bound for negative advantages
@@ -121,46 +138,88 @@ class TrainWorker:
     ):
         """`policy_store`: name of the store actor rank 0 publishes to; None to publish nowhere
         (a plain single-process loop pulls weights with `state_dict()` instead)."""
+        import torch
+
+        # The rank's device: the GPU Ray assigned to this actor (cuda:0, the only one it sees), else the CPU.
+        self.device = local_device(torch, role=f"{self.ROLE} rank {rank}")
         os.environ.update({
             "MASTER_ADDR": os.environ.get("STREAMRL_MASTER_ADDR", "127.0.0.1"),
             "MASTER_PORT": str(master_port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+            # One GPU per rank actor, so its local rank is 0; DeepSpeed's accelerator follows the device.
+            "LOCAL_RANK": "0", "DS_ACCELERATOR": self.device.type,
         })
         import deepspeed
         import ray
-        import torch
 
         # No JIT-compiled ops: the shared-memory comm op and fused Adam each cost 20-40 s to build on CPU.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(settings.seed)
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=dist_backend(self.device.type))
         self.torch, self.deepspeed = torch, deepspeed
         self.rank, self.world_size, self.settings = rank, world_size, settings
+        config = self.deepspeed_config(settings, world_size)
+        # ZeRO-3: while this object lives, from_pretrained builds the model inside deepspeed.zero.Init,
+        # so each parameter is partitioned as it is created and loaded: no rank ever holds the whole model.
+        self._zero3_init = None
+        if settings.zero_stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._zero3_init = HfDeepSpeedConfig(config)
         model = self._build_model(settings)
+        if settings.gradient_checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
-        config = {
-            "train_batch_size": world_size,
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": settings.grad_clip,
-            "zero_optimization": {"stage": settings.zero_stage, **(
-                {"stage3_param_persistence_threshold": settings.zero3_persistence_threshold}
-                if settings.zero3_persistence_threshold is not None else {})},
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": settings.dtype == "bf16"},
-            "steps_per_print": 10**9,
-        }
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        schedule = settings.lr_schedule
+        # Stepped by DeepSpeed after each optimizer step; saved and restored with the engine's checkpoint.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.factor(step))
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         self.pad_id = model.config.pad_token_id or 0
+        self._lm_head = self._chunkable_head(model)
         self.store = ray.get_actor(policy_store) if rank == 0 and policy_store else None
         # Under ZeRO-3 gathering the full weights is a collective: every rank takes part in a
         # publish, rank 0 alone sends them. (Small models hide this: DeepSpeed keeps parameters
         # below stage3_param_persistence_threshold whole on every rank, so nothing is gathered.)
         self.joins_publish = policy_store is not None and (rank == 0 or settings.zero_stage == 3)
         self.version = 0
+
+    @staticmethod
+    def deepspeed_config(settings: TrainerSettings, world_size: int) -> dict:
+        """The DeepSpeed config of a rank. Batch sizes: a train step is `ppo_epochs x mini_batches`
+        optimizer steps, each accumulating the gradients of a number of micro-batches that depends on the
+        step's lengths (`micro_batch_tokens`), so the trainer marks the accumulation boundary itself
+        (`set_gradient_accumulation_boundary`, DeepSpeed's public API for variable accumulation) and the
+        fixed sizes below only satisfy DeepSpeed's batch-size check (train = micro x accumulation x ranks).
+        bf16: DeepSpeed keeps fp32 master weights and optimizer state, the module computes in bf16."""
+        zero = {"stage": settings.zero_stage}
+        if settings.zero3_persistence_threshold is not None:
+            zero["stage3_param_persistence_threshold"] = settings.zero3_persistence_threshold
+        return {
+            "train_batch_size": world_size,
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": settings.grad_clip,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            # check_grad_overflow (DeepSpeed's default, set here because the NaN guard relies on it): a step
+            # whose gradient norm is not finite is skipped and its gradients dropped (_discard_gradients).
+            "bf16": {"enabled": settings.dtype == "bf16", "check_grad_overflow": True},
+            "steps_per_print": 10**9,
+        }
+
+    @staticmethod
+    def _chunkable_head(model):
+        """The LM head when log-probs can be computed from the final hidden states chunk by chunk, else None
+        (then the trainer takes the model's full logits): the model must accept `logits_to_keep` and its
+        logits must be the plain head of the last hidden state (no soft-capping or logit scale)."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        config = model.config
+        plain = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
+        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        return head if head is not None and plain and takes_keep else None
 
     def _build_model(self, settings: TrainerSettings):
         """The module this rank trains (fp32); a subclass may put another head on the backbone."""
@@ -207,14 +266,15 @@ class TrainWorker:
                 if values.ndim and values.shape[0] != response_len:
                     raise ValueError(f"sample {row}: {values.shape[0]} {key} for {response_len} response tokens")
                 out[key][row, span] = torch.from_numpy(values) if values.ndim else float(values)
-        return out
+        return {key: tensor.to(self.device, non_blocking=True) for key, tensor in out.items()}
 
     def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int, share: float = 1.0):
         """Aggregate so that the DeepSpeed gradient average over ranks equals the global aggregate.
 
         Aggregations normalised by a global count (tokens, sequences) are sums over samples,
         so micro-batch losses add up exactly; one that averages over its own batch
-        (seq_mean_token_mean) is weighted by the micro-batch's `share` of the rank's sequences."""
+        (seq_mean_token_mean) is weighted by `share`: the micro-batch's responses over the mini-batch's
+        on all ranks, times the world size (DeepSpeed divides by it)."""
         from operators.losses import LOSS_AGGREGATIONS
 
         aggregate = LOSS_AGGREGATIONS.get(self.settings.loss_aggregation)
@@ -231,15 +291,30 @@ class TrainWorker:
     def micro_batches(self, samples: dict) -> list[list[int]]:
         """Sample indices per micro-batch: sorted by length, cut so that no micro-batch pads to more
         than `micro_batch_tokens` tokens (0: one batch, in arrival order). On long-tailed response
-        lengths this removes most padding: short responses no longer pad to the longest one."""
+        lengths this removes most padding: short responses no longer pad to the longest one.
+
+        Every rank gets the same number of micro-batches: under ZeRO-3 each forward gathers parameters
+        and each backward reduces gradients with the other ranks, so the passes must pair up. A rank
+        with fewer splits its largest ones; one with fewer samples than passes pads with empty
+        micro-batches ([]), which run a pass of zero weight."""
+        from operators.batching import length_sorted_chunks, split_to_count
+
         count = len(samples["response_token_ids"])
         budget = self.settings.micro_batch_tokens
         if not budget:
-            return [list(range(count))] if count else []
-        from operators.batching import length_sorted_chunks
+            chunks = [list(range(count))] if count else []
+        else:
+            lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+            chunks = length_sorted_chunks(lengths, budget)
+        if self.world_size > 1:
+            chunks = split_to_count(chunks, self._max_over_ranks(len(chunks)))
+        return chunks
 
-        lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
-        return length_sorted_chunks(lengths, budget)
+    def _max_over_ranks(self, value: int) -> int:
+        torch = self.torch
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return int(tensor.item())
 
     def mini_batches(self, count: int, epoch: int) -> list[list[int]]:
         """This rank's sample indices per optimizer step of one epoch: `mini_batches` equal parts
@@ -250,30 +325,46 @@ class TrainWorker:
         order = np.arange(count)
         if parts > 1:
             order = np.random.default_rng([self.settings.seed, self.version, epoch]).permutation(count)
-        size = count // parts
-        return [order[k * size:(k + 1) * size].tolist() for k in range(parts)]
+        return [part.tolist() for part in np.array_split(order, parts)]
 
     def _subset(self, samples: dict, indices: list[int]) -> dict:
         return {key: [values[i] for i in indices] if values is not None else None for key, values in samples.items()}
 
-    def _forward(self, batch: dict):
-        """Trainer logits [B, L-1, V] (at the sampling temperature) and log-probs [B, L-1] of the batch's tokens."""
-        from operators.losses import token_logprobs
+    def _forward(self, batch: dict, entropy_grad: bool = False):
+        """Log-probs [B, L-1] of the batch's tokens under the trainer, at the sampling temperature, and
+        the entropy [B, L-1] of each next-token distribution (with a graph only when `entropy_grad`).
 
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1].float()
-        logits = logits / self.settings.temperature  # [B, L-1, V]: the engine sampled at this temperature
-        return logits, token_logprobs(logits, batch["input_ids"][:, 1:])
+        With `logits_chunk_tokens` set, the model returns its final hidden states (and the logits of one
+        position only) and the log-probs are computed from them in chunks that are recomputed in backward
+        (operators.losses.chunked_token_logprobs): the fp32 [B, L, V] logits are never held at once."""
+        from operators.losses import chunked_token_logprobs, entropy_from_logits, token_logprobs
+
+        torch, temperature, chunk = self.torch, self.settings.temperature, self.settings.logits_chunk_tokens
+        ids, attention = batch["input_ids"], batch["attention"]
+        targets = ids[:, 1:]  # [B, L-1]
+        rows, positions = targets.shape
+        if self._lm_head is not None and chunk and rows * positions > chunk:
+            out = self.engine(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
+            hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H]: the last layer's (normed) state before each token
+            return chunked_token_logprobs(hidden, self._lm_head, targets, temperature, max(1, chunk // rows),
+                                          entropy_grad)
+        logits = self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature  # [B, L-1, V]
+        if entropy_grad:
+            return token_logprobs(logits, targets), entropy_from_logits(logits)
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())  # [B, L-1], a metric only
+        return token_logprobs(logits, targets), entropy
 
     def _proximal_logprobs(self, samples: dict) -> list[np.ndarray]:
         """pi_prox: this rank's log-probs of every response token before the step's first update
         (no grad), one array per sample; needed when the step takes several optimizer steps."""
         proximal = [None] * len(samples["response_token_ids"])
         with self.torch.no_grad():
-            for indices in self.micro_batches(samples):
-                batch = self._batch_tensors(self._subset(samples, indices))
-                _, logprobs = self._forward(batch)
+            for indices in self.micro_batches(samples):  # an empty one still runs its (ZeRO-3) forward
+                batch = self._batch_tensors(self._subset(samples, indices or [0]))
+                logprobs, _ = self._forward(batch)
                 for row, index in enumerate(indices):
-                    proximal[index] = logprobs[row][batch["mask"][row].bool()].numpy().astype(np.float64)
+                    proximal[index] = logprobs[row][batch["mask"][row].bool()].cpu().numpy().astype(np.float64)
         return proximal
 
     def _global_counts(self, parts: list[list[int]], samples: dict) -> list[tuple[float, float]]:
@@ -282,13 +373,18 @@ class TrainWorker:
         torch = self.torch
         counts = torch.tensor([[float(sum(len(samples["response_token_ids"][i]) for i in part)),
                                 float(sum(1 for i in part if len(samples["response_token_ids"][i])))]
-                               for part in parts], dtype=torch.float64)  # [M, 2]
+                               for part in parts], dtype=torch.float64, device=self.device)  # [M, 2]
         if self.world_size > 1:
             torch.distributed.all_reduce(counts)
         return [(float(tokens), float(sequences)) for tokens, sequences in counts.tolist()]
 
-    def _loss(self, part: dict, global_tokens: float, global_sequences: float, first_epoch: bool):
-        """The summed loss of one mini-batch (micro-batches share one backward) and its statistics."""
+    def _loss(self, part: dict, global_tokens: float, global_sequences: float, first_epoch: bool,
+              stats: _StatSums, mismatch: list, valid_sequences: float):
+        """Yield (loss, last) for each micro-batch of one mini-batch (the losses sum to the mini-batch's
+        loss), each computed just before its backward, so one micro-batch's graph is alive at a time.
+        Statistics go into `stats` and `mismatch` as each micro-batch is computed. `valid_sequences`: the
+        mini-batch's responses with tokens, over all ranks (an aggregation that averages over its own
+        batch weighs each micro-batch by its share of them, so ranks of unequal size still add up)."""
         from operators.correction import (
             behavior_log_ratio,
             correction_factors,
@@ -297,24 +393,18 @@ class TrainWorker:
         from operators.losses import (
             KL_ESTIMATORS,
             POLICY_LOSSES,
-            entropy_from_logits,
             kl_k3,
         )
 
-        torch, settings = self.torch, self.settings
+        settings = self.settings
         loss_fn = POLICY_LOSSES.get(settings.policy_loss)
         accepted = inspect.signature(loss_fn).parameters
-        valid_sequences = sum(1 for r in part["response_token_ids"] if len(r))
-        loss, stats, mismatch = 0.0, _StatSums(), []
-        for indices in self.micro_batches(part):
-            batch = self._batch_tensors(self._subset(part, indices))
+        chunks = self.micro_batches(part)
+        for number, indices in enumerate(chunks, start=1):
+            last = number == len(chunks)
+            batch = self._batch_tensors(self._subset(part, indices or [0]))  # [] pairs up with other ranks' passes
             mask = batch["mask"]  # [B, L-1]
-            logits, logprobs = self._forward(batch)  # [B, L-1, V], [B, L-1]
-            if settings.entropy_coef:
-                entropy = entropy_from_logits(logits)  # [B, L-1], in the loss
-            else:
-                with torch.no_grad():
-                    entropy = entropy_from_logits(logits.detach())  # [B, L-1], a metric only
+            logprobs, entropy = self._forward(batch, entropy_grad=bool(settings.entropy_coef))  # [B, L-1] each
             # pi_prox: fixed before the first of several updates, else the current policy (no extra forward).
             proximal = batch.get("proximal_logprobs", logprobs.detach())  # [B, L-1]
             options = {"proximal_logprobs": proximal, "clip_eps_low": settings.clip_eps_low,
@@ -329,17 +419,20 @@ class TrainWorker:
                 kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch["ref_logprobs"])  # [B, L-1]
                 per_token_loss = per_token_loss + settings.kl_coef * kl
                 loss_stats["kl_ref"] = float((kl_k3(logprobs.detach(), batch["ref_logprobs"]) * mask).sum()) / max(tokens, 1)
+            part_valid = sum(1 for i in indices if len(part["response_token_ids"][i]))
+            loss = self._aggregate(per_token_loss, mask, global_tokens, global_sequences,
+                                   share=part_valid * self.world_size / max(valid_sequences, 1))
+            if not indices:
+                yield loss * 0.0, last
+                continue
             if first_epoch:  # pi_prox is fixed for the step: measure the mismatch once per sample
                 mismatch.append(mismatch_sums(log_rho, mask, batch["staleness"], truncated, masked))
             loss_stats["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1)
             # pi_theta / pi_behave, whatever the loss's own ratio is centred on
             loss_stats["ratio_behavior_min"], loss_stats["ratio_behavior_max"] = _ratio_range(
                 logprobs.detach() - batch["behavior_logprobs"], mask)
-            part_valid = sum(1 for i in indices if len(part["response_token_ids"][i]))
-            loss = loss + self._aggregate(per_token_loss, mask, global_tokens, global_sequences,
-                                          share=part_valid / max(valid_sequences, 1))
             stats.add(loss_stats, tokens)
-        return loss, stats, mismatch
+            yield loss, last
 
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
         """One train step on this rank's shard: ppo_epochs x mini_batches optimizer steps; rank 0
@@ -371,13 +464,10 @@ class TrainWorker:
             samples["proximal_logprobs"] = self._proximal_logprobs(samples)
         stats, mismatch = _StatSums(), []
 
-        def loss_of(part: dict, tokens: float, sequences: float, epoch: int):
-            loss, part_stats, part_mismatch = self._loss(part, tokens, sequences, first_epoch=epoch == 0)
-            stats.merge(part_stats)
-            mismatch.extend(part_mismatch)
-            return loss
+        def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
+            return self._loss(part, tokens, sequences, epoch == 0, stats, mismatch, valid)
 
-        losses, grad_norms, skipped = self._updates(
+        losses, grad_norms, skipped, passes = self._updates(
             samples, count, global_tokens, global_sequences, loss_of,
             lambda value: f"the loss of policy version {self.version + 1} is {value} on rank {self.rank} "
                           "(train.nan_policy: stop); no update was applied or published. Set "
@@ -393,7 +483,7 @@ class TrainWorker:
             "grad_norm_last": grad_norms[-1] if grad_norms else float("nan"),
             "optimizer_steps": len(grad_norms),
             "num_tokens": sum(len(r) for r in samples["response_token_ids"]),
-            "micro_batches": len(self.micro_batches(samples)),
+            "micro_batches": passes // max(len(losses), 1),  # forward/backward passes per optimizer step
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
             "mismatch": mismatch,  # merged over ranks by the Train operator (operators.correction.merge_mismatch)
@@ -401,40 +491,75 @@ class TrainWorker:
         }
 
     def _updates(self, samples: dict, count: int, global_tokens: float, global_sequences: float, loss_of,
-                 stop_message) -> tuple[list[float], list[float], bool]:
-        """The step's optimizer steps: `ppo_epochs` passes over `mini_batches` mini-batches, each loss
-        `loss_of(part, tokens, sequences, epoch)`. A loss that is not finite on some rank ends the step
-        (the updates already taken stay applied), or raises with `stop_message(value)` under
-        nan_policy: stop. Returns the losses, the gradient norms and whether the step was cut short."""
+                 stop_message) -> tuple[list[float], list[float], bool, int]:
+        """The step's optimizer steps: `ppo_epochs` passes over `mini_batches` mini-batches. For each,
+        `loss_of(part, tokens, sequences, epoch, valid_sequences)` yields (loss, last) per micro-batch (the same number on
+        every rank); each gets its own backward, the gradients accumulate, and the last backward is the
+        accumulation boundary before the optimizer step.
+
+        Before each backward the ranks agree that the loss is finite. One that is not, on any rank, ends
+        the step: the gradients accumulated for this optimizer step are dropped (the optimizer steps
+        already taken stay applied), or it raises with `stop_message(value)` under nan_policy: stop.
+        Returns the losses, the gradient norms, whether the step was cut short and the number of passes."""
         settings = self.settings
-        losses, grad_norms = [], []
+        losses, grad_norms, passes = [], [], 0
         for epoch in range(settings.ppo_epochs):
             parts = self.mini_batches(count, epoch)
-            counts = ([(global_tokens, global_sequences)] if settings.mini_batches == 1
-                      else self._global_counts(parts, samples))
-            for part_indices, (tokens, sequences) in zip(parts, counts):
-                loss = loss_of(self._subset(samples, part_indices), tokens, sequences, epoch)
-                losses.append(loss.item())
-                if not self._finite_everywhere(loss):
-                    if settings.nan_policy == "stop":
-                        raise NonFiniteError(stop_message(losses[-1]))
-                    return losses, grad_norms, True
-                grad_norms.append(self._optimizer_step(loss))
-        return losses, grad_norms, False
+            summed = self._global_counts(parts, samples)  # (tokens, responses with tokens) over the ranks
+            counts = [(global_tokens, global_sequences)] if settings.mini_batches == 1 else summed
+            for part_indices, (tokens, sequences), (_, valid) in zip(parts, counts, summed):
+                total, accumulated = 0.0, 0
+                for loss, last in loss_of(self._subset(samples, part_indices), tokens, sequences, epoch, valid):
+                    passes += 1
+                    if not self._finite_everywhere(loss):
+                        losses.append(loss.item())
+                        if accumulated:
+                            self._discard_gradients(loss)
+                        if settings.nan_policy == "stop":
+                            raise NonFiniteError(stop_message(losses[-1]))
+                        return losses, grad_norms, True, passes
+                    accumulated += 1
+                    self.engine.set_gradient_accumulation_boundary(last)
+                    self.engine.backward(loss)
+                    total += loss.item()
+                losses.append(total)
+                grad_norms.append(self._optimizer_step())
+        return losses, grad_norms, False, passes
 
-    def _optimizer_step(self, loss) -> float:
-        """Backward and one DeepSpeed optimizer step; the global gradient norm before clipping.
-        The DeepSpeed config has one micro-batch per optimizer step (gradient accumulation 1), so
-        every backward is an accumulation boundary: each mini-batch is its own optimizer step."""
-        self.engine.backward(loss)
+    def _optimizer_step(self) -> float:
+        """One DeepSpeed optimizer step on the accumulated gradients (the last backward was the
+        accumulation boundary); the global gradient norm before clipping."""
         own_norm = self._plain_grad_norm() if self.settings.zero_stage == 0 else None
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         return float(grad_norm) if grad_norm is not None else float("nan")
 
+    def _discard_gradients(self, loss) -> None:
+        """Drop the gradients accumulated for an optimizer step that will not be taken, because the
+        micro-batch `loss` (non-finite on some rank) came after others were backwarded. Every rank calls it.
+
+        Without ZeRO the module's gradients are all there is: the engine's zero_grad drops them. ZeRO keeps
+        reduced gradient partitions of its own, with no public call to drop them, so this uses DeepSpeed's
+        own skip: every rank backwards the non-finite loss (NaN where it is finite) as the accumulation
+        boundary, and DeepSpeed's step finds a non-finite gradient norm, skips the update, clears its
+        gradients and leaves the LR schedule where it was (ZeRO 1-2 in fp32 and ZeRO 3 always; ZeRO 1-2
+        in bf16 with `bf16.check_grad_overflow`, which the config sets)."""
+        if not self.settings.zero_stage:
+            self.engine.zero_grad()
+            return
+        poisoned = loss * float("nan") if bool(self.torch.isfinite(loss.detach())) else loss
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.backward(poisoned)
+        self.engine.step()
+        if getattr(self.engine.optimizer, "overflow", False) is not True:  # DeepSpeed changed: never train on it
+            raise NonFiniteError(
+                f"{self.ROLE} rank {self.rank}: DeepSpeed did not skip an optimizer step with a non-finite gradient "
+                f"(ZeRO {self.settings.zero_stage}); the weights may be damaged. Resume from the last checkpoint"
+            )
+
     def _finite_everywhere(self, loss) -> bool:
         """True when the loss is finite on every rank (all ranks must agree to skip a step together)."""
-        finite = self.torch.tensor([float(bool(self.torch.isfinite(loss.detach()).all()))])
+        finite = self.torch.tensor([float(bool(self.torch.isfinite(loss.detach()).all()))], device=self.device)
         if self.world_size > 1:
             self.torch.distributed.all_reduce(finite, op=self.torch.distributed.ReduceOp.MIN)
         return bool(finite.item())

@@ -41,11 +41,14 @@ class Value:
         import torch
         from transformers import AutoModelForTokenClassification
 
+        from operators.devices import local_device
+
         torch.set_num_threads(torch_threads)
         self.torch = torch
+        self.device = local_device(torch, role="the Value stage")  # its GPU from Ray, else the CPU
         self.model = AutoModelForTokenClassification.from_pretrained(
             model_path, num_labels=1, local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code,
-        ).eval()
+        ).to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id or 0
         self.admission_timeout_s = admission_timeout_s
         self.store = None
@@ -101,7 +104,8 @@ class Value:
                 input_ids[index, :len(seq)] = torch.tensor(seq)
                 attention[index, :len(seq)] = 1
             with torch.no_grad():
-                scores = self.model(input_ids=input_ids, attention_mask=attention).logits[..., 0].float()  # [B, L]
+                scores = self.model(input_ids=input_ids.to(self.device),
+                                    attention_mask=attention.to(self.device)).logits[..., 0].float().cpu()  # [B, L]
             for index, (row, prompt_len, response_len) in enumerate(spans):
                 # position i's value is of the state that predicts token i + 1: the same shift as the trainer's
                 values[row].append(scores[index, prompt_len - 1:prompt_len - 1 + response_len].double().tolist())

@@ -50,24 +50,25 @@ class ValueWorker(TrainWorker):
         """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask)."""
         return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
 
-    def _loss(self, part: dict, global_tokens: float):
-        """Summed clipped value loss of one mini-batch (micro-batches share one backward), divided by this
+    def _loss(self, part: dict, global_tokens: float, stats: _StatSums):
+        """Yield (loss, last) per micro-batch: the clipped value loss summed over its tokens, divided by this
         rank's share of the global token count, so DeepSpeed's average over ranks is the token mean."""
         from operators.losses import VALUE_LOSSES
 
         loss_fn = VALUE_LOSSES.get("clipped")
-        loss, stats = 0.0, _StatSums()
-        for indices in self.micro_batches(part):
-            batch = self._batch_tensors(self._subset(part, indices))
+        chunks = self.micro_batches(part)
+        for number, indices in enumerate(chunks, start=1):
+            batch = self._batch_tensors(self._subset(part, indices or [0]))  # [] pairs up with other ranks' passes
             mask = batch["mask"]  # [B, L-1]
             values = self.values(batch)  # [B, L-1]
             per_token, loss_stats = loss_fn(values, batch["old_values"], batch["returns"], mask,
                                             value_clip=self.value_clip)  # [B, L-1]
             tokens = float(mask.sum().item())
-            loss = loss + per_token.sum() / max(global_tokens / self.world_size, 1.0)
-            loss_stats["value_loss"] = float(per_token.detach().sum()) / max(tokens, 1.0)
-            stats.add(loss_stats, tokens)
-        return loss, stats
+            loss = per_token.sum() / max(global_tokens / self.world_size, 1.0)
+            if indices:
+                loss_stats["value_loss"] = float(per_token.detach().sum()) / max(tokens, 1.0)
+                stats.add(loss_stats, tokens)
+            yield (loss if indices else loss * 0.0), number == len(chunks)
 
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
         """One critic step on this rank's shard (`prompt_token_ids`, `response_token_ids`, and per response
@@ -80,12 +81,10 @@ class ValueWorker(TrainWorker):
         stats = _StatSums()
 
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int):
-            loss, part_stats = self._loss(part, tokens)
-            stats.merge(part_stats)
-            return loss
+            return self._loss(part, tokens, stats)
 
         # the policy's mini-batch draw (same seed and version), the policy's update schedule
-        _, grad_norms, skipped = self._updates(
+        _, grad_norms, skipped, _ = self._updates(
             samples, count, global_tokens, global_sequences, loss_of,
             lambda value: f"the value loss of critic version {self.version + 1} is {value} on rank {self.rank} "
                           "(train.nan_policy: stop); lower critic.lr or check the rewards",

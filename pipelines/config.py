@@ -476,7 +476,16 @@ class TrainConfig(_Section):
         1, ge=0, description="How many policy versions generation may run ahead of training; "
         "0 is exact synchronous on-policy RL."
     )
-    lr: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate (the peak, after warm-up).")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Train steps over which the learning rate rises linearly from lr/warmup to lr "
+        "(0: no warm-up)."
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warm-up: keep lr, or decay it along a cosine to lr x lr_min_ratio at the "
+        "last step (train.steps)."
+    )
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="cosine only: the final learning rate over lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping threshold.")
@@ -507,8 +516,18 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         0, ge=0,
         description="Split each rank's samples, sorted by length, into micro-batches padded to at most this "
-        "many tokens (0: one batch). Cuts padding on long-tailed lengths; the losses share one backward, "
-        "so the step is unchanged.",
+        "many tokens (0: one batch). Cuts padding on long-tailed lengths, and each micro-batch runs its own "
+        "forward and backward (gradients accumulate to one optimizer step), so memory follows the micro-batch "
+        "while the step is unchanged.",
+    )
+    logits_chunk_tokens: int = Field(
+        8192, ge=0, description="Compute the log-probs and entropy of at most this many token positions "
+        "(rows x positions) at once, recomputing them in backward, so a micro-batch never holds its whole "
+        "[B, L, vocab] fp32 logits (for a 150k vocabulary 8192 positions are ~5 GB). 0: all at once."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each transformer layer's activations in backward instead of keeping them "
+        "(Hugging Face gradient checkpointing): less memory, ~30% more compute."
     )
     ppo_epochs: int = Field(
         1, ge=1, description="Passes over each train step's samples. A policy version still counts train steps "

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import (
 
 from operators.advantage import STEP_WHITENED
 from operators.correction import CorrectionSettings
-from operators.train_worker import TrainerSettings, TrainWorker
+from operators.train_worker import LrSchedule, TrainerSettings, TrainWorker
 from operators.value_worker import ValueWorker
 from pipelines.config import JobConfig, ModelConfig
 
@@ -42,6 +42,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def updates_per_step(cfg: JobConfig) -> int:
+    """Optimizer steps per train step (the LR schedule advances per optimizer step)."""
+    return cfg.train.ppo_epochs * cfg.train.mini_batches
 
 
 def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
@@ -62,6 +67,13 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         clip_eps_high=cfg.algorithm.clip_eps_high,
         max_new_tokens=cfg.rollout.max_new_tokens,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
+        logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        lr_schedule=LrSchedule(
+            warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
+            total_steps=cfg.train.steps * updates_per_step(cfg),
+            kind=cfg.train.lr_schedule, min_ratio=cfg.train.lr_min_ratio,
+        ),
         nan_policy=cfg.train.nan_policy,
         zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
         trust_remote_code=cfg.model.trust_remote_code,
@@ -85,7 +97,7 @@ def critic_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         seed=cfg.train.seed, torch_threads=cfg.critic.torch_threads, micro_batch_tokens=cfg.train.micro_batch_tokens,
         nan_policy=cfg.train.nan_policy, zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
         trust_remote_code=cfg.model.trust_remote_code, ppo_epochs=cfg.train.ppo_epochs,
-        mini_batches=cfg.train.mini_batches,
+        mini_batches=cfg.train.mini_batches, gradient_checkpointing=cfg.train.gradient_checkpointing,
     )
 
 
@@ -111,7 +123,8 @@ def advantage_options(cfg: JobConfig) -> dict:
 def train_options(cfg: JobConfig) -> dict:
     """The algorithm's constructor arguments of the Train operator (operators.train)."""
     gae_whitened = cfg.critic is not None and cfg.algorithm.gae_whiten
-    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED or gae_whitened}
+    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED or gae_whitened,
+            "mini_batches": cfg.train.mini_batches}
 
 
 def _reserve(section, name: str):

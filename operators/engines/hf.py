@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from operators.devices import local_device
 from operators.engines.base import GroupSample, SamplingParams
 
 
@@ -20,9 +21,11 @@ class HFEngine:
             model_path, local_files_only=True, trust_remote_code=trust_remote_code
         )
         self.tokenizer.padding_side = "left"  # generation continues from the right edge
+        # The GPU Ray assigned to this actor (its only visible one), else the CPU (operators.devices).
+        self.device = local_device(torch, role="the HF engine")
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32
-        ).eval()
+        ).to(self.device).eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
@@ -36,8 +39,8 @@ class HFEngine:
         greedy = params.temperature == 0  # vLLM's convention: temperature 0 decodes greedily
         sampling = {} if greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=0)
         out = self.model.generate(
-            input_ids=padded["input_ids"],
-            attention_mask=padded["attention_mask"],
+            input_ids=padded["input_ids"].to(self.device),
+            attention_mask=padded["attention_mask"].to(self.device),
             do_sample=not greedy,
             **sampling,
             max_new_tokens=params.max_new_tokens,
@@ -50,7 +53,8 @@ class HFEngine:
         )
         new_tokens = out.sequences[:, padded["input_ids"].shape[1]:]  # [B*n, T]
         logits = torch.stack(out.logits, dim=1).float() / (params.temperature or 1.0)  # [B*n, T, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B*n, T]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1).cpu()  # [B*n, T]
+        new_tokens = new_tokens.cpu()
         groups = []
         for prompt_index in range(len(prompt_token_ids)):
             group = GroupSample()
