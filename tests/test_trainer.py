@@ -50,9 +50,18 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
             ray.kill(actor)
 
 
-def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path):
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation):
+    """The ranks' shards are balanced by tokens, so they hold different numbers of samples here: the
+    losses still add up to the one-rank step, for a token-normalised and a sequence-averaged loss."""
     samples = _explode(step_samples(tiny_model_path))
-    base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4"]
+    long_response = samples["response_token_ids"][0] * 10  # one long response among short ones
+    samples["response_token_ids"][0] = long_response
+    samples["behavior_logprobs"][0] = [-1.0 - 0.05 * j for j in range(len(long_response))]
+    shards = _shard(samples, 2)
+    assert len(shards[0]["advantages"]) != len(shards[1]["advantages"])
+    base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4",
+            f"algorithm.loss_aggregation={aggregation}"]
     single = load_config(None, base + ["train.world_size=1", "train.zero_stage=0"])
     # The sharded side also splits each rank's samples into micro-batches (several forwards,
     # one backward under ZeRO-3): the step must still equal the single-rank one.
