@@ -160,7 +160,6 @@ class TrainWorker:
             "LOCAL_RANK": "0", "DS_ACCELERATOR": self.device.type,
         })
         import deepspeed
-        import ray
 
         # No JIT-compiled ops: the shared-memory comm op and fused Adam each cost 20-40 s to build on CPU.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -191,7 +190,11 @@ class TrainWorker:
         self.pad_id = model.config.pad_token_id or 0
         self._lm_head = self._chunkable_head(model)
         self._malloc_trim = _libc_malloc_trim()
-        self.store = ray.get_actor(policy_store) if rank == 0 and policy_store else None
+        self.store = None
+        if rank == 0 and policy_store:  # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
+            import ray
+
+            self.store = ray.get_actor(policy_store)
         # Under ZeRO-3 gathering the full weights is a collective: every rank takes part in a
         # publish, rank 0 alone sends them. (Small models hide this: DeepSpeed keeps parameters
         # below stage3_param_persistence_threshold whole on every rank, so nothing is gathered.)
@@ -606,8 +609,6 @@ class TrainWorker:
             return {name: tensor.detach().float().cpu().numpy().copy() for name, tensor in module.state_dict().items()}
 
     def _publish(self) -> float:
-        import ray
-
         start = time.perf_counter()
         weights = self._full_state_dict()  # every rank under ZeRO-3 (collective), else rank 0 only
         if self.store is None:
@@ -619,6 +620,8 @@ class TrainWorker:
                 f"{' ...' if len(bad) > 3 else ''}); it was not published. Resume from the last checkpoint "
                 f"with a lower {self.SECTION}.lr or {self.SECTION}.grad_clip"
             )
+        import ray
+
         weights_ref = ray.put(weights)
         ray.get(self.store.publish.remote(self.version, [weights_ref]))
         return time.perf_counter() - start

@@ -94,8 +94,11 @@ def test_trainer_and_operators_get_the_algorithm():
         "decoupled_ppo", 0.05, "k1", 0.01, 4.0, 2, 4)
     assert advantage_options(cfg) == dict(estimator="reinforce_pp_baseline", max_new_tokens=4, overlong_buffer=2,
                                           overlong_penalty=0.5, kl_reward_coef=0.0)
-    assert train_options(cfg) == {"whiten_advantages": True}
-    assert train_options(load_config(TINY)) == {"whiten_advantages": False}
+    assert train_options(cfg) == {"whiten_advantages": True, "mini_batches": 4}  # 4: ranks get equal sample counts
+    assert train_options(load_config(TINY)) == {"whiten_advantages": False, "mini_batches": 1}
+    schedule = trainer_settings(load_config(TINY, ["train.lr_warmup_steps=3", "train.lr_schedule=cosine",
+                                                   "train.mini_batches=2", "train.steps=10"]), "model").lr_schedule
+    assert (schedule.warmup_steps, schedule.total_steps, schedule.kind) == (6, 20, "cosine")  # in optimizer steps
 
 
 @pytest.mark.parametrize("field", ["algorithm.kl_coef=0.1", "algorithm.tis=token", "train.ppo_epochs=2",
