@@ -80,7 +80,7 @@ class ValueWorker(TrainWorker):
             raise ValueError("train_step got no samples")
         stats = _StatSums()
 
-        def loss_of(part: dict, tokens: float, sequences: float, epoch: int):
+        def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
             return self._loss(part, tokens, stats)
 
         # the policy's mini-batch draw (same seed and version), the policy's update schedule
