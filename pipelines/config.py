@@ -521,9 +521,10 @@ class TrainConfig(_Section):
         "while the step is unchanged.",
     )
     logits_chunk_tokens: int = Field(
-        8192, ge=0, description="Compute the log-probs and entropy of at most this many token positions "
+        2048, ge=0, description="Compute the log-probs and entropy of at most this many token positions "
         "(rows x positions) at once, recomputing them in backward, so a micro-batch never holds its whole "
-        "[B, L, vocab] fp32 logits (for a 150k vocabulary 8192 positions are ~5 GB). 0: all at once."
+        "[B, L, vocab] fp32 logits (for a 150k vocabulary 2048 positions are 1.2 GB of logits, ~5 GB with "
+        "their softmax and gradient). 0: all at once."
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute each transformer layer's activations in backward instead of keeping them "
@@ -692,6 +693,10 @@ class NodeGroup(_Section):
     num_cpus: float = Field(ge=0, description="CPUs per node, as Ray counts them (`ray start --num-cpus`).")
     num_gpus: float = Field(0, ge=0, description="GPUs per node.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per node.")
+    gpu_memory_gb: Optional[float] = Field(
+        None, gt=0, description="Memory of each GPU in GiB, e.g. 80. When set, validation estimates a trainer "
+        "rank's memory from the model's config.json (pipelines/memory.py) and refuses a config that cannot fit."
+    )
 
 
 class RayConfig(_Section):
@@ -792,6 +797,10 @@ class JobConfig(_Section):
             from pipelines.resources import declared_nodes, plan_problems
 
             problems += [f"ray.cluster: {text}" for text in plan_problems(self, declared_nodes(self.ray.cluster))]
+            from pipelines.memory import trainer_memory_problem
+
+            memory = trainer_memory_problem(self, self.model.path)
+            problems += [memory] if memory else []
         _raise_at(problems)
         return self
 

@@ -1,9 +1,12 @@
-"""The GPU configs load, and their resource plan fits the cluster each one declares.
+"""The GPU configs load, their resource plan fits the cluster each one declares, and a trainer
+rank's estimated memory fits the GPUs it declares.
 
 They cannot run here (no GPU): this checks what can be checked on a CPU machine. Their
-model and prompt paths point at a real cluster's storage, so a stand-in model folder and
-prompt file replace them; vLLM is swapped for hf only where vLLM is not installed, since
-the engine does not change the plan."""
+model and prompt paths point at a real cluster's storage, so stand-ins replace them: a model
+folder whose config.json has the real model's dimensions (Qwen2.5-0.5B / 1.5B, as the configs
+name), and a prompt file; vLLM is swapped for hf only where vLLM is not installed, since the
+engine does not change the plan. (Device and backend selection are tested in
+tests/test_trainer_device.py.)"""
 
 from __future__ import annotations
 
@@ -21,26 +24,65 @@ ROOT = Path(__file__).resolve().parents[1]
 # validate here with stand-ins (below), not as they are.
 GPU_DIR = ROOT / "configs" / "gpu"
 GPU_CONFIGS = {"gpu_1.yaml": 1, "gpu_8.yaml": 8, "gpu_16.yaml": 16}
+# The dimensions of the models the configs name (their config.json on the Hugging Face hub).
+QWEN = {"0.5B": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14),
+        "1.5B": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12)}
+MODEL_OF = {"gpu_1.yaml": "0.5B", "gpu_8.yaml": "1.5B", "gpu_16.yaml": "1.5B"}
 
 
 @pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory) -> list[str]:
+def stand_in_folders(tmp_path_factory) -> dict[str, list[str]]:
     folder = tmp_path_factory.mktemp("stand_ins")
-    model = folder / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     prompts = folder / "train.parquet"
     pd.DataFrame({"prompt": ["1+1="], "answer": ["2"]}).to_parquet(prompts)
-    overrides = [f"model.path={model}", f"data.path={prompts}"]
-    return overrides if vllm_installed() else overrides + ["rollout.engine=hf"]
+    out = {}
+    for size, dims in QWEN.items():
+        model = folder / f"qwen2.5-{size}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({
+            "model_type": "qwen2", "vocab_size": 151936, "num_key_value_heads": 2, "tie_word_embeddings": True, **dims}))
+        overrides = [f"model.path={model}", f"data.path={prompts}"]
+        out[size] = overrides if vllm_installed() else overrides + ["rollout.engine=hf"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def stand_ins(stand_in_folders) -> list[str]:
+    return stand_in_folders["1.5B"]
 
 
 def test_every_gpu_config_is_covered():
     assert sorted(p.name for p in GPU_DIR.glob("*.yaml")) == sorted(GPU_CONFIGS)
 
 
+def test_parameter_count_of_the_named_models():
+    from pipelines.memory import model_shape, parameter_count
+
+    assert round(parameter_count(dict(QWEN["1.5B"], vocab_size=151936, num_key_value_heads=2,
+                                      tie_word_embeddings=True)) / 1e9, 2) == 1.54  # Qwen2.5-1.5B: 1.54B
+    assert round(parameter_count(dict(QWEN["0.5B"], vocab_size=151936, num_key_value_heads=2,
+                                      tie_word_embeddings=True)) / 1e9, 2) == 0.49  # Qwen2.5-0.5B: 0.49B
+    assert model_shape(str(GPU_DIR)) is None  # no config.json: no estimate, no refusal
+
+
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
-def test_gpu_config_loads_and_fits_its_cluster(name, stand_ins):
+def test_gpu_config_trainer_memory_fits_and_one_batch_per_step_does_not(name, stand_in_folders):
+    """The memory estimate can fail: the same config with the whole rank's step in one micro-batch (the
+    default micro_batch_tokens: 0) is refused, naming the fields that fix it."""
+    from pipelines.memory import trainer_memory_problem
+
+    overrides = stand_in_folders[MODEL_OF[name]]
+    cfg = load_config(GPU_DIR / name, overrides)
+    assert trainer_memory_problem(cfg, cfg.model.path) is None
+    with pytest.raises(ConfigError) as err:
+        load_config(GPU_DIR / name, overrides + ["train.micro_batch_tokens=0"])
+    assert "train.micro_batch_tokens: a rank needs an estimated" in str(err.value)
+    assert "gradient_checkpointing" in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_config_loads_and_fits_its_cluster(name, stand_in_folders):
+    stand_ins = stand_in_folders[MODEL_OF[name]]
     cfg = load_config(GPU_DIR / name, stand_ins)  # validation includes the plan check
     gpus = GPU_CONFIGS[name]
     assert sum(group.count * group.num_gpus for group in cfg.ray.cluster) == gpus
@@ -53,8 +95,9 @@ def test_gpu_config_loads_and_fits_its_cluster(name, stand_ins):
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
-def test_gpu_config_refused_on_a_smaller_cluster(name, stand_ins):
+def test_gpu_config_refused_on_a_smaller_cluster(name, stand_in_folders):
     """The plan check can fail: one GPU fewer on every node and the config is refused."""
+    stand_ins = stand_in_folders[MODEL_OF[name]]
     cfg = load_config(GPU_DIR / name, stand_ins)
     smaller = [group.model_dump() | {"num_gpus": max(group.num_gpus - 1, 0)} for group in cfg.ray.cluster]
     with pytest.raises(ConfigError) as err:

@@ -1,0 +1,99 @@
+"""An estimate of a trainer rank's GPU memory, so that a config that cannot fit is refused before
+anything starts (config validation, when `ray.cluster` declares `gpu_memory_gb`).
+
+It is an estimate, written to catch configs that are off by a large factor (a whole rank's step in
+one micro-batch, fp32 logits over a 150k vocabulary), not to predict the allocator's peak:
+
+- weights, gradients and optimizer state from the parameter count, by dtype and ZeRO stage
+  (bf16: 2-byte weights and gradients, fp32 master weights and Adam moments, 12 bytes; fp32: 4 + 4 + 8;
+  ZeRO 1 partitions the optimizer state, 2 also the gradients, 3 also the weights);
+- activations of the largest micro-batch: 34 x hidden bytes per token and layer in 16-bit (the
+  estimate of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+  without the attention-score term, which fused attention does not keep), twice that in fp32; with
+  gradient checkpointing, each layer's input (2 x hidden bytes) plus one layer's full activations;
+- the log-prob chunk: `logits_chunk_tokens` positions x vocabulary x 4 bytes x 4 (fp32 logits, their
+  log-softmax, the entropy's product, the gradient).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GIB = 2**30
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
+
+
+def model_shape(model_path: str) -> dict | None:
+    """The dimensions the estimate needs from a model folder's config.json; None when it lacks them."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if any(not isinstance(config.get(key), int) for key in SHAPE_KEYS):
+        return None
+    return {key: config[key] for key in SHAPE_KEYS} | {
+        "num_key_value_heads": int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+    }
+
+
+def parameter_count(shape: dict) -> int:
+    """Parameters of a Llama-shaped decoder (grouped-query attention, gated MLP, RMS norms)."""
+    h, layers, inter, vocab = (shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 2 * kv + h + 3 * h * inter + 2 * h  # q, o, k, v (+ biases), mlp, norms
+    embeddings = vocab * h * (1 if shape["tie_word_embeddings"] else 2)
+    return layers * per_layer + embeddings + h
+
+
+def trainer_rank_gib(shape: dict, *, world_size: int, zero_stage: int, bf16: bool, micro_batch_tokens: int,
+                     logits_chunk_tokens: int, gradient_checkpointing: bool) -> dict[str, float]:
+    """GiB per rank by component (see the module docstring); `micro_batch_tokens`: the largest
+    micro-batch's padded tokens."""
+    params = parameter_count(shape)
+    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    width = 2 if bf16 else 4
+    tokens = micro_batch_tokens
+    layer_bytes = 34 * h * tokens * (1 if bf16 else 2)  # one layer's activations
+    activations = (layers * 2 * h * tokens * width + layer_bytes) if gradient_checkpointing else layers * layer_bytes
+    chunk = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens
+    return {
+        "weights": width * params / (world_size if zero_stage == 3 else 1) / GIB,
+        "gradients": width * params / (world_size if zero_stage >= 2 else 1) / GIB,
+        "optimizer": (12 if bf16 else 8) * params / (world_size if zero_stage >= 1 else 1) / GIB,
+        "activations": activations / GIB,
+        "logits": chunk * vocab * 4 * 4 / GIB,
+    }
+
+
+def trainer_memory_problem(cfg, model_path: str) -> str | None:
+    """Why the config's trainer rank cannot fit the GPUs its `ray.cluster` declares (None when it fits,
+    or when the cluster or the model folder does not say enough to tell)."""
+    groups = [g for g in cfg.ray.cluster or [] if g.num_gpus and g.gpu_memory_gb]
+    if not groups or not cfg.train.num_gpus:
+        return None
+    shape = model_shape(model_path)
+    if shape is None:
+        return None
+    train, rollout = cfg.train, cfg.rollout
+    per_rank = train.groups_per_step * rollout.n // train.world_size
+    # Longest sample: vLLM's context limit when set, else the response limit plus a 1024-token prompt.
+    longest = (rollout.vllm.max_model_len if rollout.engine == "vllm" and rollout.vllm.max_model_len
+               else rollout.max_new_tokens + 1024)
+    tokens = max(train.micro_batch_tokens, longest) if train.micro_batch_tokens else per_rank * longest
+    parts = trainer_rank_gib(
+        shape, world_size=train.world_size, zero_stage=train.zero_stage, bf16=train.dtype == "bf16",
+        micro_batch_tokens=tokens, logits_chunk_tokens=train.logits_chunk_tokens,
+        gradient_checkpointing=train.gradient_checkpointing,
+    )
+    budget = 0.9 * min(g.gpu_memory_gb for g in groups) * train.num_gpus
+    total = sum(parts.values())
+    if total <= budget:
+        return None
+    detail = ", ".join(f"{name} {gib:.1f}" for name, gib in parts.items())
+    return (f"train.micro_batch_tokens: a rank needs an estimated {total:.0f} GiB ({detail}; {parameter_count(shape) / 1e9:.2f}B "
+            f"parameters, micro-batches of {tokens} tokens) but has {budget:.0f} GiB (90% of {train.num_gpus:g} x "
+            f"{min(g.gpu_memory_gb for g in groups):g} GiB, ray.cluster gpu_memory_gb). Set train.micro_batch_tokens "
+            "(e.g. 16384), train.gradient_checkpointing: true, a higher train.zero_stage or more ranks, or a smaller "
+            "train.logits_chunk_tokens")
