@@ -189,7 +189,7 @@ class TrainWorker:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         self.pad_id = model.config.pad_token_id or 0
         self._lm_head = self._chunkable_head(model)
-        self._malloc_trim = _libc_malloc_trim()
+        self._malloc_trim = _libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
         self.store = None
         if rank == 0 and policy_store:  # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
             import ray
@@ -325,6 +325,14 @@ class TrainWorker:
             chunks = split_to_count(chunks, self._max_over_ranks(len(chunks)))
         return chunks
 
+    def _micro_batch_tensors(self, samples: dict):
+        """Yield (indices, batch tensors, last) for each of `micro_batches(samples)`. An empty micro-batch
+        (a pass that pairs up with another rank's) gets the tensors of sample 0 and indices []: the
+        caller gives it zero weight."""
+        chunks = self.micro_batches(samples)
+        for number, indices in enumerate(chunks, start=1):
+            yield indices, self._batch_tensors(self._subset(samples, indices or [0])), number == len(chunks)
+
     def _max_over_ranks(self, value: int) -> int:
         torch = self.torch
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
@@ -375,8 +383,7 @@ class TrainWorker:
         (no grad), one array per sample; needed when the step takes several optimizer steps."""
         proximal = [None] * len(samples["response_token_ids"])
         with self.torch.no_grad():
-            for indices in self.micro_batches(samples):  # an empty one still runs its (ZeRO-3) forward
-                batch = self._batch_tensors(self._subset(samples, indices or [0]))
+            for indices, batch, _ in self._micro_batch_tensors(samples):  # an empty one still runs its forward
                 logprobs, _ = self._forward(batch)
                 for row, index in enumerate(indices):
                     proximal[index] = logprobs[row][batch["mask"][row].bool()].cpu().numpy().astype(np.float64)
@@ -414,10 +421,7 @@ class TrainWorker:
         settings = self.settings
         loss_fn = POLICY_LOSSES.get(settings.policy_loss)
         accepted = inspect.signature(loss_fn).parameters
-        chunks = self.micro_batches(part)
-        for number, indices in enumerate(chunks, start=1):
-            last = number == len(chunks)
-            batch = self._batch_tensors(self._subset(part, indices or [0]))  # [] pairs up with other ranks' passes
+        for indices, batch, last in self._micro_batch_tensors(part):
             mask = batch["mask"]  # [B, L-1]
             logprobs, entropy = self._forward(batch, entropy_grad=bool(settings.entropy_coef))  # [B, L-1] each
             # pi_prox: fixed before the first of several updates, else the current policy (no extra forward).
@@ -453,9 +457,9 @@ class TrainWorker:
         """One train step on this rank's shard: ppo_epochs x mini_batches optimizer steps; rank 0
         then publishes version + 1 (a version counts train steps, see the module docstring).
 
-        Each mini-batch may be split into micro-batches (`micro_batch_tokens`); their losses are
-        summed into one backward pass, so an optimizer step equals the unsplit one (up to float
-        reassociation) under every loss aggregation and ZeRO stage. `global_tokens` and
+        Each mini-batch may be split into micro-batches (`micro_batch_tokens`), each with its own
+        forward and backward; their gradients accumulate into one optimizer step, which equals the
+        unsplit one (up to float reassociation) under every loss aggregation and ZeRO stage. `global_tokens` and
         `global_sequences` count the whole step over all ranks (the normalisers of a one-mini-batch
         step; several mini-batches sum their own counts over the ranks). With several updates, the
         proximal log-probs are computed once before the first.
@@ -549,9 +553,8 @@ class TrainWorker:
         micro-batches of varying shapes grows the resident memory with the number of micro-batches
         (measured: +2.3 GiB from 3 to 11 micro-batches, benchmarks/train_memory.py). GPU memory is the
         CUDA caching allocator's and is not affected."""
-        if self.device.type != "cpu" or self._malloc_trim is None:
-            return
-        self._malloc_trim(0)
+        if self._malloc_trim is not None:
+            self._malloc_trim(0)
 
     def _optimizer_step(self) -> float:
         """One DeepSpeed optimizer step on the accumulated gradients (the last backward was the

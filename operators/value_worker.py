@@ -56,9 +56,7 @@ class ValueWorker(TrainWorker):
         from operators.losses import VALUE_LOSSES
 
         loss_fn = VALUE_LOSSES.get("clipped")
-        chunks = self.micro_batches(part)
-        for number, indices in enumerate(chunks, start=1):
-            batch = self._batch_tensors(self._subset(part, indices or [0]))  # [] pairs up with other ranks' passes
+        for indices, batch, last in self._micro_batch_tensors(part):  # [] pairs up with other ranks' passes
             mask = batch["mask"]  # [B, L-1]
             values = self.values(batch)  # [B, L-1]
             per_token, loss_stats = loss_fn(values, batch["old_values"], batch["returns"], mask,
@@ -68,7 +66,7 @@ class ValueWorker(TrainWorker):
             if indices:
                 loss_stats["value_loss"] = float(per_token.detach().sum()) / max(tokens, 1.0)
                 stats.add(loss_stats, tokens)
-            yield (loss if indices else loss * 0.0), number == len(chunks)
+            yield (loss if indices else loss * 0.0), last
 
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
         """One critic step on this rank's shard (`prompt_token_ids`, `response_token_ids`, and per response

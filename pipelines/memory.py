@@ -87,13 +87,14 @@ def trainer_memory_problem(cfg, model_path: str) -> str | None:
         micro_batch_tokens=tokens, logits_chunk_tokens=train.logits_chunk_tokens,
         gradient_checkpointing=train.gradient_checkpointing,
     )
-    budget = 0.9 * min(g.gpu_memory_gb for g in groups) * train.num_gpus
+    gpu_gib = min(g.gpu_memory_gb for g in groups)
+    budget = 0.9 * gpu_gib * train.num_gpus
     total = sum(parts.values())
     if total <= budget:
         return None
     detail = ", ".join(f"{name} {gib:.1f}" for name, gib in parts.items())
     return (f"train.micro_batch_tokens: a rank needs an estimated {total:.0f} GiB ({detail}; {parameter_count(shape) / 1e9:.2f}B "
             f"parameters, micro-batches of {tokens} tokens) but has {budget:.0f} GiB (90% of {train.num_gpus:g} x "
-            f"{min(g.gpu_memory_gb for g in groups):g} GiB, ray.cluster gpu_memory_gb). Set train.micro_batch_tokens "
+            f"{gpu_gib:g} GiB, ray.cluster gpu_memory_gb). Set train.micro_batch_tokens "
             "(e.g. 16384), train.gradient_checkpointing: true, a higher train.zero_stage or more ranks, or a smaller "
             "train.logits_chunk_tokens")
