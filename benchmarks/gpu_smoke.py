@@ -77,6 +77,7 @@ def main() -> None:
     from operators.engines.base import SamplingParams
     from operators.engines.hf import HFEngine
     from operators.train_worker import LrSchedule, TrainerSettings, TrainWorker
+    from operators.weights import WeightSet
 
     cuda = torch.cuda.is_available()
     shape = TINY if args.tiny else QWEN2_05B
@@ -122,7 +123,8 @@ def main() -> None:
             torch.cuda.synchronize()
         train_s = time.perf_counter() - start
         start = time.perf_counter()
-        engine.load_weights(trainer.state_dict())  # today's weight channel: fp32 host arrays
+        # the weight channel's buckets in the training dtype (bf16), as rank 0 publishes them (without Ray here)
+        engine.load_weights(WeightSet(trainer.weight_buckets()))
         if cuda:
             torch.cuda.synchronize()
         load_s = time.perf_counter() - start

@@ -43,6 +43,7 @@ import pandas as pd
 
 from operators.engines import SamplingParams, make_engine
 from operators.engines.base import make_in_flight_engine
+from operators.weights import fetch
 
 
 class Generate:
@@ -203,7 +204,7 @@ class Generate:
         if latest > self.policy_version:
             start = time.perf_counter()
             version, (weights_ref,) = ray.get(self.store.get_latest.remote())
-            weights = ray.get(weights_ref)
+            weights = fetch(weights_ref)  # the manifest, then its buckets (operators/weights.py)
             self.weight_sync_seconds += time.perf_counter() - start
             self.load_policy(version, weights)
 

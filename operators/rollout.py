@@ -43,6 +43,7 @@ import numpy as np
 
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
 from operators.faults import fault_point
+from operators.weights import received_async
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class RolloutLoop:
                 version, (weights_ref,) = await self.store.get_latest.remote()
                 if version <= self.version or weights_ref is None:
                     continue
-                weights = await weights_ref
+                weights = await received_async(await weights_ref)  # the manifest, then its buckets
                 pulled = time.perf_counter()
                 prepared = await loop.run_in_executor(None, self.engine.prepare_weights, weights)
                 del weights

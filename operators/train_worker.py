@@ -15,7 +15,6 @@ the same for every ppo_epochs / mini_batches.
 from __future__ import annotations
 
 import base64
-import contextlib
 import inspect
 import json
 import math
@@ -126,6 +125,7 @@ class TrainerSettings:
     micro_batch_tokens: int = 0
     logits_chunk_tokens: int = 0  # log-probs of at most this many positions at once (0: all at once)
     gradient_checkpointing: bool = False
+    weight_bucket_mb: float = 256  # the weight channel's bucket size (operators/weights.py)
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
     zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job
@@ -601,32 +601,50 @@ class TrainWorker:
         return float(self.torch.linalg.vector_norm(self.torch.stack([self.torch.linalg.vector_norm(g) for g in grads])))
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return self._full_state_dict()
+        """Full fp32 weights as numpy arrays, on every rank (ZeRO-3: every rank must call it)."""
+        return self._full_state_dict(everywhere=True)
 
-    def _full_state_dict(self) -> dict[str, np.ndarray]:
-        """Full fp32 weights as numpy arrays (ZeRO-3 shards are gathered on every rank)."""
-        module = self.engine.module
-        params = list(module.parameters())
-        gather = self.deepspeed.zero.GatheredParameters(params) if self.settings.zero_stage == 3 else contextlib.nullcontext()
-        with gather:
-            return {name: tensor.detach().float().cpu().numpy().copy() for name, tensor in module.state_dict().items()}
+    def _named_weights(self):
+        """(name, tensor) for every state-dict entry, one module at a time; under ZeRO-3 each module's
+        parameters are gathered for the duration (a collective: every rank must iterate it)."""
+        from operators.weights import named_weights
+
+        gathered = self.deepspeed.zero.GatheredParameters if self.settings.zero_stage == 3 else None
+        return named_weights(self.engine.module, gathered)
+
+    def _full_state_dict(self, everywhere: bool = False) -> dict[str, np.ndarray]:
+        """Full fp32 weights as numpy arrays (ZeRO-3: gathered module by module, and every rank must call
+        it; ranks other than 0 get {} unless `everywhere`)."""
+        keep = everywhere or self.rank == 0 or self.settings.zero_stage != 3
+        return {name: tensor.float().cpu().numpy().copy() for name, tensor in self._named_weights() if keep}
+
+    def weight_buckets(self):
+        """The weights in the training dtype (the module's: bf16 under train.dtype bf16), bucketed."""
+        from operators.weights import pack_buckets
+
+        return pack_buckets(self._named_weights(), self.settings.weight_bucket_mb)
 
     def _publish(self) -> float:
+        """Send this version's weights through the weight channel (operators/weights.py) and publish its
+        manifest. Every rank under ZeRO-3 walks the modules (the gathers are collectives); rank 0 sends."""
         start = time.perf_counter()
-        weights = self._full_state_dict()  # every rank under ZeRO-3 (collective), else rank 0 only
-        if self.store is None:
+        if self.store is None:  # a ZeRO-3 rank other than 0: take part in the gathers, send nothing
+            for _ in self._named_weights():
+                pass
             return time.perf_counter() - start
-        bad = [name for name, array in weights.items() if not np.isfinite(array).all()]
+        import ray
+
+        from operators.weights import ObjectStoreTransport
+
+        manifest, bad = ObjectStoreTransport().send(self.weight_buckets())
         if bad:  # never hand NaN weights to the generators (or to a checkpoint)
             raise NonFiniteError(
                 f"{self.ROLE} version {self.version} has non-finite weights ({', '.join(bad[:3])}"
                 f"{' ...' if len(bad) > 3 else ''}); it was not published. Resume from the last checkpoint "
                 f"with a lower {self.SECTION}.lr or {self.SECTION}.grad_clip"
             )
-        import ray
-
-        weights_ref = ray.put(weights)
-        ray.get(self.store.publish.remote(self.version, [weights_ref]))
+        ray.get(self.store.publish.remote(self.version, [ray.put(manifest)]))
+        self.last_publish = {"bytes": manifest.nbytes, "buckets": len(manifest.handles), "dtype": manifest.dtype}
         return time.perf_counter() - start
 
     # --- checkpoints ------------------------------------------------------------------------
@@ -680,7 +698,7 @@ class TrainWorker:
     def save_pretrained(self, path: str, tokenizer: bool = False) -> str | None:
         """Write an HF checkpoint (rank 0 writes; every rank must call it under ZeRO-3), with the
         model folder's tokenizer when `tokenizer` (so the folder loads with from_pretrained / vLLM)."""
-        state = self._full_state_dict()
+        state = self._full_state_dict()  # every rank under ZeRO-3 (collective); {} except on rank 0
         if self.rank != 0:
             return None
         self.engine.module.save_pretrained(path, state_dict={k: self.torch.from_numpy(v) for k, v in state.items()})

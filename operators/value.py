@@ -27,10 +27,11 @@ values used here.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Iterator
 
 import pandas as pd
+
+from operators.weights import as_weight_set, fetch
 
 
 class Value:
@@ -78,11 +79,7 @@ class Value:
         latest = ray.get(self.store.wait_for.remote(min_version, self.admission_timeout_s))
         if latest > self.critic_version:
             version, (weights_ref,) = ray.get(self.store.get_latest.remote())
-            weights = ray.get(weights_ref)
-            with warnings.catch_warnings():  # arrays from the object store are read-only; load_state_dict copies
-                warnings.simplefilter("ignore", UserWarning)
-                tensors = {name: self.torch.from_numpy(array) for name, array in weights.items()}
-            self.model.load_state_dict(tensors, strict=True)
+            self.model.load_state_dict(as_weight_set(fetch(weights_ref)).state_dict(), strict=True)
             self.critic_version = version
 
     def score(self, batch: pd.DataFrame) -> pd.DataFrame:

@@ -530,6 +530,11 @@ class TrainConfig(_Section):
         False, description="Recompute each transformer layer's activations in backward instead of keeping them "
         "(Hugging Face gradient checkpointing): less memory, ~30% more compute."
     )
+    weight_bucket_mb: float = Field(
+        256, gt=0, description="Weights are published to the generators in the training dtype (bf16: 2 bytes a "
+        "weight), in buckets of at most this many MB, gathered one module at a time under ZeRO-3; each bucket is "
+        "one object in Ray's object store (operators/weights.py)."
+    )
     ppo_epochs: int = Field(
         1, ge=1, description="Passes over each train step's samples. A policy version still counts train steps "
         "(batches), so the staleness bound, checkpoints and the ledger do not depend on it."

@@ -26,6 +26,7 @@ from typing import Callable
 import pandas as pd
 
 from operators.evaluation import summarize
+from operators.weights import fetch
 from pipelines.config import ConfigError, JobConfig
 
 SCORED_COLUMNS = [
@@ -151,7 +152,7 @@ class Evaluator:
 
         if version != self.generate.policy_version:
             (weights_ref,) = ray.get(self.store.get_weights_of.remote(version))  # waits until it is published
-            self.generate.load_policy(version, ray.get(weights_ref))
+            self.generate.load_policy(version, fetch(weights_ref))
             self.store.release.remote(version)
         start = time.perf_counter()  # the evaluation's own cost, not the wait for training to get there
         parts = [

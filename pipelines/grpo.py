@@ -338,6 +338,8 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     model_path = resolve_model_path(cfg.model)
     prompts, source = load_prompts(cfg.data)
     prompts = checked_prompts(prompts, cfg, model_path, echo)
+    if not ray.is_initialized() and cfg.ray.address is None and not os.environ.get("RAY_ADDRESS"):
+        check_object_store(cfg, model_path, cfg.ray.object_store_memory_mb, "local")  # before the MLflow run
     schedule = schedule_groups(prompts, cfg)
     digest = dataset_digest(prompts)
     held_out = load_eval_prompts(cfg, model_path, echo) if cfg.eval is not None else None
@@ -378,6 +380,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id)
     try:
         with ray_session(cfg):
+            check_object_store(cfg, model_path)  # the cluster's real object stores, before any actor starts
             progress = Progress(cfg.train.steps, echo, first_step=start)
             while True:
                 try:
@@ -449,6 +452,21 @@ def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo
             echo(f"streamrl: dropped {len(ids)} {kind.replace('_', ' ')} prompt(s) (data.invalid_prompts: drop), "
                  f"e.g. {', '.join(map(str, ids[:5]))}")
     return kept
+
+
+def check_object_store(cfg: JobConfig, model_path: str, store_mb: float | None = None, where: str = "") -> None:
+    """Refuse (ConfigError) an object store too small for the weight channel (pipelines/memory.py).
+    `store_mb` None: the smallest object store of the connected cluster's live nodes."""
+    from pipelines.memory import object_store_problem
+
+    if store_mb is None:
+        sizes = [node["Resources"].get("object_store_memory", 0) / 2**20 for node in ray.nodes() if node.get("Alive")]
+        if not sizes:
+            return
+        store_mb, where = min(sizes), "smallest node's"
+    problem = object_store_problem(cfg, model_path, store_mb, where)
+    if problem:
+        raise ConfigError([("ray.object_store_memory_mb", problem.split(": ", 1)[1])])
 
 
 def _resume_step(run_dir: CheckpointDir) -> int:

@@ -18,6 +18,7 @@ one micro-batch, fp32 logits over a 150k vocabulary), not to predict the allocat
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 GIB = 2**30
@@ -98,3 +99,45 @@ def trainer_memory_problem(cfg, model_path: str) -> str | None:
             f"{gpu_gib:g} GiB, ray.cluster gpu_memory_gb). Set train.micro_batch_tokens "
             "(e.g. 16384), train.gradient_checkpointing: true, a higher train.zero_stage or more ranks, or a smaller "
             "train.logits_chunk_tokens")
+
+
+# --- the weight channel's share of Ray's object store ------------------------------------------------
+
+MIB = 2**20
+# Versions of the policy's weights the object store may hold at once: the one generators load, the one
+# rank 0 is putting (the store drops the old one only once the new one is published), and one a
+# generator still reads while the next arrives.
+VERSIONS_IN_FLIGHT = 3
+RETAINED_FOR_EVAL = 2  # retained versions an evaluator that lags may not have read yet
+OBJECT_STORE_HEADROOM_MB = 128  # Ray Data's blocks of groups in flight, and Ray's own objects
+
+
+def weight_channel_mb(cfg, model_path: str) -> dict[str, float] | None:
+    """MB of object store the weight channel may need (per published copy, and in all), from the model's
+    config.json; None when the folder does not say enough."""
+    shape = model_shape(model_path)
+    if shape is None:
+        return None
+    params = parameter_count(shape)
+    policy_mb = params * (2 if cfg.train.dtype == "bf16" else 4) / MIB  # published in the training dtype
+    copies = VERSIONS_IN_FLIGHT + (RETAINED_FOR_EVAL if cfg.eval is not None else 0)
+    critic_mb = params * 4 / MIB * VERSIONS_IN_FLIGHT if cfg.critic is not None else 0.0  # the critic trains in fp32
+    return {"policy_mb": policy_mb, "copies": copies, "critic_mb": critic_mb,
+            "total_mb": policy_mb * copies + critic_mb + OBJECT_STORE_HEADROOM_MB}
+
+
+def object_store_problem(cfg, model_path: str, store_mb: float, where: str) -> str | None:
+    """Why an object store of `store_mb` (`where`: which one) cannot carry the weight channel; None if it can."""
+    need = weight_channel_mb(cfg, model_path)
+    if need is None or need["total_mb"] <= store_mb:
+        return None
+    parts = f"{need['policy_mb']:.0f} MB of policy weights ({cfg.train.dtype}) x {need['copies']} versions in flight"
+    if need["critic_mb"]:
+        parts += f", {need['critic_mb']:.0f} MB for the critic's"
+    fix = ("set ray.object_store_memory_mb to at least " + f"{math.ceil(need['total_mb'])}" if where == "local"
+           else "start the cluster's nodes with `ray start --object-store-memory` of at least "
+           f"{math.ceil(need['total_mb']) * MIB} bytes")
+    halve = "" if cfg.train.dtype == "bf16" else ", or train.dtype: bf16 to halve the weights"
+    return (f"ray.object_store_memory_mb: the weight channel needs about {need['total_mb']:.0f} MB of object store "
+            f"({parts}, {OBJECT_STORE_HEADROOM_MB} MB for the DAG) but the {where} object store has "
+            f"{store_mb:.0f} MB; {fix}{halve}")

@@ -69,6 +69,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         micro_batch_tokens=cfg.train.micro_batch_tokens,
         logits_chunk_tokens=cfg.train.logits_chunk_tokens,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
+        weight_bucket_mb=cfg.train.weight_bucket_mb,
         lr_schedule=LrSchedule(
             warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
             total_steps=cfg.train.steps * updates_per_step(cfg),
@@ -98,6 +99,7 @@ def critic_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
         nan_policy=cfg.train.nan_policy, zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
         trust_remote_code=cfg.model.trust_remote_code, ppo_epochs=cfg.train.ppo_epochs,
         mini_batches=cfg.train.mini_batches, gradient_checkpointing=cfg.train.gradient_checkpointing,
+        weight_bucket_mb=cfg.train.weight_bucket_mb,
     )
 
 

@@ -13,6 +13,7 @@ from pipelines.config import load_config
 from pipelines.policy_store import create_policy_store
 from pipelines.trainer_group import start_trainer_group
 from operators.train import _explode, _shard
+from operators.weights import fetch
 
 
 def step_samples(tokenizer_path: str) -> list[dict]:
@@ -44,7 +45,8 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
         results = ray.get([w.train_step.remote(s, tokens, len(samples["advantages"])) for w, s in zip(workers, shards)])
         version, (ref,) = ray.get(store.get_latest.remote())
         assert version == 1
-        return results, ray.get(ref)
+        # what a generator receives: the manifest's buckets (under ZeRO-3 gathered module by module)
+        return results, fetch(ref).float32_arrays()
     finally:
         for actor in [*workers, store]:
             ray.kill(actor)

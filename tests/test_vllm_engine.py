@@ -167,3 +167,30 @@ def test_make_engine_builds_vllm(monkeypatch):
     assert isinstance(built, Fake) and built.model_path == "some/path"
     assert built.options == {"gpu_memory_utilization": 0.1}
     assert vllm_engine.vllm_available()
+
+
+def test_bf16_buckets_load_in_place(engine, hf, prompts):
+    """The weight channel's form: bf16 buckets (several), written as they are; the float32 engine casts
+    them on load and then computes exactly what HF computes with the same bf16-rounded weights."""
+    import torch
+
+    from operators.weights import WeightSet, pack_buckets
+
+    ids = engine.encode(prompts)
+    old = {name: t.detach().numpy().copy() for name, t in hf.model.state_dict().items()}
+    rng = np.random.default_rng(1)
+    new = {n: torch.from_numpy((w + 0.2 * w.std() * rng.standard_normal(w.shape)).astype(np.float32))
+           for n, w in old.items()}
+    weights = WeightSet(pack_buckets(new.items(), bucket_mb=0.25, dtype="bfloat16"))
+    assert len(weights.buckets) > 1
+    engine.load_weights(weights)
+    try:
+        groups = greedy(engine, ids)
+        hf.load_weights(weights)  # the same bf16 values, cast to HF's float32
+        try:
+            assert max_logprob_diff(hf.model, ids, groups) < LOGPROB_TOL
+        finally:
+            hf.load_weights(old)
+        assert max_logprob_diff(hf.model, ids, groups) > 100 * LOGPROB_TOL
+    finally:
+        engine.load_weights(old)

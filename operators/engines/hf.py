@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Mapping
 
 import numpy as np
@@ -11,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from operators.devices import local_device
 from operators.engines.base import GroupSample, SamplingParams
+from operators.weights import as_weight_set
 
 
 class HFEngine:
@@ -68,7 +68,5 @@ class HFEngine:
         return groups
 
     def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
-        with warnings.catch_warnings():  # arrays from the object store are read-only; we copy them
-            warnings.simplefilter("ignore", UserWarning)
-            tensors = {name: torch.from_numpy(array) for name, array in state_dict.items()}
-        self.model.load_state_dict(tensors, strict=True)
+        # views of the buckets (read-only object-store buffers): load_state_dict copies and casts them
+        self.model.load_state_dict(as_weight_set(state_dict).state_dict(), strict=True)

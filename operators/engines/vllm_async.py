@@ -27,9 +27,7 @@ import asyncio
 import gc
 import logging
 import time
-from typing import Any, AsyncIterator, Mapping
-
-import numpy as np
+from typing import Any, AsyncIterator
 
 from operators.engines.base import SamplingParams, TokenDelta
 from operators.engines.vllm import _GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
@@ -105,7 +103,7 @@ class AsyncVLLMEngine(VLLMBase):
                 finished = completion.finished() or index in seen_eos
                 yield TokenDelta(index, tokens, sampled_logprobs(completion, tokens), finished)
 
-    def prepare_weights(self, state_dict: Mapping[str, np.ndarray]) -> str:
+    def prepare_weights(self, state_dict) -> str:  # a WeightSet or a mapping of arrays (operators/weights.py)
         return self.weight_file.write(state_dict)
 
     async def pause(self, mode: str) -> None:
