@@ -47,3 +47,27 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+
+# The names each built-in registry holds once its module is imported, for checks that must not import
+# that module (config validation: operators.losses imports torch, which alone takes seconds).
+# tests/test_config.py checks they match the registries. A name not listed here is looked up in the
+# registry itself, so implementations a user registers still validate.
+BUILTIN_NAMES = {
+    ("operators.losses", "POLICY_LOSSES"): ("decoupled_ppo", "gspo", "ppo_clip"),
+    ("operators.losses", "LOSS_AGGREGATIONS"): ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"),
+    ("operators.losses", "KL_ESTIMATORS"): ("k1", "k2", "k3"),
+    ("operators.advantage", "ADVANTAGE_ESTIMATORS"): ("dr_grpo", "grpo", "grpo_no_std", "reinforce_pp_baseline", "rloo"),
+    ("operators.advantage", "TOKEN_ESTIMATORS"): ("gae",),
+}
+
+
+def registry_of(module: str, attribute: str) -> "Registry":
+    import importlib
+
+    return getattr(importlib.import_module(module), attribute)
+
+
+def is_registered(module: str, attribute: str, name: str) -> bool:
+    """`name` is in the registry `module.attribute`; imports the module only for a name that is not built in."""
+    return name in BUILTIN_NAMES.get((module, attribute), ()) or name in registry_of(module, attribute)

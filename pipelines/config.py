@@ -422,9 +422,7 @@ class AlgorithmConfig(_Section):
     @field_validator("kl_estimator")
     @classmethod
     def _known_kl(cls, name: str) -> str:
-        from operators.losses import KL_ESTIMATORS
-
-        return name if name in KL_ESTIMATORS else _unknown(name, KL_ESTIMATORS)
+        return _registered(name, "operators.losses", "KL_ESTIMATORS")
 
     @field_validator("mis_low")
     @classmethod
@@ -443,29 +441,34 @@ class AlgorithmConfig(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, name: str) -> str:
-        from operators.advantage import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS
+        from operators.registry import is_registered, registry_of
 
-        if name not in ADVANTAGE_ESTIMATORS and name not in TOKEN_ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {name!r}; use one of "
-                             f"{ADVANTAGE_ESTIMATORS.names() + TOKEN_ESTIMATORS.names()}")
+        if not (is_registered("operators.advantage", "ADVANTAGE_ESTIMATORS", name)
+                or is_registered("operators.advantage", "TOKEN_ESTIMATORS", name)):
+            names = (registry_of("operators.advantage", "ADVANTAGE_ESTIMATORS").names()
+                     + registry_of("operators.advantage", "TOKEN_ESTIMATORS").names())
+            raise ValueError(f"unknown advantage estimator {name!r}; use one of {names}")
         return name
 
     @field_validator("policy_loss")
     @classmethod
     def _known_loss(cls, name: str) -> str:
-        from operators.losses import POLICY_LOSSES
-
-        return name if name in POLICY_LOSSES else _unknown(name, POLICY_LOSSES)
+        return _registered(name, "operators.losses", "POLICY_LOSSES")
 
     @field_validator("loss_aggregation")
     @classmethod
     def _known_aggregation(cls, name: str) -> str:
-        from operators.losses import LOSS_AGGREGATIONS
-
-        return name if name in LOSS_AGGREGATIONS else _unknown(name, LOSS_AGGREGATIONS)
+        return _registered(name, "operators.losses", "LOSS_AGGREGATIONS")
 
 
-def _unknown(name: str, registry) -> str:
+def _registered(name: str, module: str, attribute: str) -> str:
+    """`name` if the registry `module.attribute` has it (built-in names are checked without importing
+    the module: operators.losses imports torch), else a ValueError listing the registry's names."""
+    from operators.registry import is_registered, registry_of
+
+    if is_registered(module, attribute, name):
+        return name
+    registry = registry_of(module, attribute)
     raise ValueError(f"unknown {registry.kind} {name!r}; use one of {registry.names()}")
 
 
@@ -815,9 +818,9 @@ class JobConfig(_Section):
             return self.train.groups_per_step
         return self.algorithm.dynamic_sampling_groups or 2 * self.train.groups_per_step
     def _critic_problems(self, samples: int) -> list[str]:
-        from operators.advantage import TOKEN_ESTIMATORS
+        from operators.registry import is_registered
 
-        token_level = self.algorithm.advantage in TOKEN_ESTIMATORS
+        token_level = is_registered("operators.advantage", "TOKEN_ESTIMATORS", self.algorithm.advantage)
         if token_level and self.critic is None:
             return [f"algorithm.advantage: {self.algorithm.advantage} computes advantages from a critic's values, "
                     "and the config has no critic section; add one (critic: {lr: 0.001}) or use an outcome "

@@ -134,3 +134,23 @@ def test_reward_placement_decides_the_reward_actors(tmp_path):
     assert "reward" not in demands(inside)  # scored in the generate actors: nothing of its own to place
     problems = problems_of(tmp_path, {"reward": {"placement": "trainer"}})
     assert list(problems) == ["reward.placement"] and "stage" in problems["reward.placement"]
+
+
+def test_builtin_names_match_the_registries_and_validation_does_not_import_torch():
+    """Config validation checks built-in names without importing their modules (operators.losses pulls
+    torch, seconds of start-up for `streamrl validate`); the lists must say what the registries hold."""
+    import subprocess
+    import sys
+
+    from operators.registry import BUILTIN_NAMES, registry_of
+
+    for (module, attribute), names in BUILTIN_NAMES.items():
+        assert tuple(registry_of(module, attribute).names()) == names, (module, attribute)
+    code = ("import sys; from pipelines.config import load_config; "
+            "load_config('configs/tiny_grpo.yaml', ['algorithm.policy_loss=gspo', 'algorithm.kl_estimator=k1', "
+            "'algorithm.loss_aggregation=seq_mean_token_mean']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False"
+    with pytest.raises(ConfigError, match="unknown policy loss 'nope'; use one of"):
+        load_config(None, ["algorithm.policy_loss=nope"])
