@@ -106,8 +106,11 @@ class LrSchedule:
 
 @dataclass(frozen=True)
 class TrainerSettings:
+    """A rank's settings. pipelines/trainer_group.py maps the config onto them in one table; the defaults
+    here equal the config's (tests/test_config.py checks), for loops that build a rank by hand."""
+
     model_path: str
-    lr: float = 1e-3
+    lr: float = 2e-3
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -120,10 +123,10 @@ class TrainerSettings:
     loss_aggregation: str = "token_mean"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    max_new_tokens: int = 16
+    max_new_tokens: int = 4
     trust_remote_code: bool = False
     micro_batch_tokens: int = 0
-    logits_chunk_tokens: int = 0  # log-probs of at most this many positions at once (0: all at once)
+    logits_chunk_tokens: int = 2048  # log-probs of at most this many positions at once (0: all at once)
     gradient_checkpointing: bool = False
     weight_bucket_mb: float = 256  # the weight channel's bucket size (operators/weights.py)
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)

@@ -49,58 +49,66 @@ def updates_per_step(cfg: JobConfig) -> int:
     return cfg.train.ppo_epochs * cfg.train.mini_batches
 
 
+# Where each TrainerSettings field comes from in the config: the one map from config to trainer (a
+# field not named here keeps TrainerSettings' default, which tests/test_trainer_group_settings checks
+# equals the config's). The critic's ranks read the same map with CRITIC_SETTINGS on top.
+POLICY_SETTINGS = {
+    "lr": "train.lr", "betas": "train.betas", "weight_decay": "train.weight_decay", "grad_clip": "train.grad_clip",
+    "zero_stage": "train.zero_stage", "dtype": "train.dtype", "seed": "train.seed",
+    "torch_threads": "train.torch_threads", "micro_batch_tokens": "train.micro_batch_tokens",
+    "logits_chunk_tokens": "train.logits_chunk_tokens", "gradient_checkpointing": "train.gradient_checkpointing",
+    "weight_bucket_mb": "train.weight_bucket_mb", "nan_policy": "train.nan_policy",
+    "zero3_persistence_threshold": "train.zero3_persistence_threshold", "ppo_epochs": "train.ppo_epochs",
+    "mini_batches": "train.mini_batches", "temperature": "rollout.temperature",
+    "max_new_tokens": "rollout.max_new_tokens", "trust_remote_code": "model.trust_remote_code",
+    "policy_loss": "algorithm.policy_loss", "loss_aggregation": "algorithm.loss_aggregation",
+    "clip_eps_low": "algorithm.clip_eps_low", "clip_eps_high": "algorithm.clip_eps_high",
+    "clip_ratio_c": "algorithm.clip_ratio_c", "kl_coef": "algorithm.kl_coef",
+    "kl_estimator": "algorithm.kl_estimator", "entropy_coef": "algorithm.entropy_coef",
+}
+# The critic: its own section's optimiser and ranks; the policy's step shape (micro-batches, epochs,
+# mini-batches), seed and NaN policy; none of the policy loss's settings (the critic's loss is its own).
+CRITIC_SETTINGS = {
+    **{name: POLICY_SETTINGS[name] for name in (
+        "seed", "micro_batch_tokens", "gradient_checkpointing", "weight_bucket_mb", "nan_policy",
+        "zero3_persistence_threshold", "ppo_epochs", "mini_batches", "trust_remote_code")},
+    "lr": "critic.lr", "grad_clip": "critic.grad_clip", "zero_stage": "critic.zero_stage",
+    "torch_threads": "critic.torch_threads",
+}
+
+
+def _config_value(cfg: JobConfig, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _settings(cfg: JobConfig, model_path: str, table: dict[str, str], **extra) -> TrainerSettings:
+    return TrainerSettings(model_path=model_path, **{name: _config_value(cfg, path) for name, path in table.items()},
+                           **extra)
+
+
 def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
-    return TrainerSettings(
-        model_path=model_path,
-        lr=cfg.train.lr,
-        betas=tuple(cfg.train.betas),
-        weight_decay=cfg.train.weight_decay,
-        grad_clip=cfg.train.grad_clip,
-        zero_stage=cfg.train.zero_stage,
-        dtype=cfg.train.dtype,
-        seed=cfg.train.seed,
-        torch_threads=cfg.train.torch_threads,
-        temperature=cfg.rollout.temperature,
-        policy_loss=cfg.algorithm.policy_loss,
-        loss_aggregation=cfg.algorithm.loss_aggregation,
-        clip_eps_low=cfg.algorithm.clip_eps_low,
-        clip_eps_high=cfg.algorithm.clip_eps_high,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        micro_batch_tokens=cfg.train.micro_batch_tokens,
-        logits_chunk_tokens=cfg.train.logits_chunk_tokens,
-        gradient_checkpointing=cfg.train.gradient_checkpointing,
-        weight_bucket_mb=cfg.train.weight_bucket_mb,
+    """The policy ranks' settings (POLICY_SETTINGS, plus the LR schedule and the off-policy correction,
+    which are built from several fields)."""
+    return _settings(
+        cfg, model_path, POLICY_SETTINGS,
         lr_schedule=LrSchedule(
             warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
             total_steps=cfg.train.steps * updates_per_step(cfg),
             kind=cfg.train.lr_schedule, min_ratio=cfg.train.lr_min_ratio,
         ),
-        nan_policy=cfg.train.nan_policy,
-        zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
-        trust_remote_code=cfg.model.trust_remote_code,
-        clip_ratio_c=cfg.algorithm.clip_ratio_c,
         correction=CorrectionSettings(
             tis=cfg.algorithm.tis, tis_cap=cfg.algorithm.tis_cap,
             mis=cfg.algorithm.mis, mis_low=cfg.algorithm.mis_low, mis_high=cfg.algorithm.mis_high,
         ),
-        kl_coef=cfg.algorithm.kl_coef,
-        kl_estimator=cfg.algorithm.kl_estimator,
-        entropy_coef=cfg.algorithm.entropy_coef,
-        ppo_epochs=cfg.train.ppo_epochs,
-        mini_batches=cfg.train.mini_batches,
     )
 
 
 def critic_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
     """The critic's DeepSpeed settings: its own section's, and the policy's update schedule."""
-    return TrainerSettings(
-        model_path=model_path, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, zero_stage=cfg.critic.zero_stage,
-        seed=cfg.train.seed, torch_threads=cfg.critic.torch_threads, micro_batch_tokens=cfg.train.micro_batch_tokens,
-        nan_policy=cfg.train.nan_policy, zero3_persistence_threshold=cfg.train.zero3_persistence_threshold,
-        trust_remote_code=cfg.model.trust_remote_code, ppo_epochs=cfg.train.ppo_epochs,
-        mini_batches=cfg.train.mini_batches, gradient_checkpointing=cfg.train.gradient_checkpointing,
-        weight_bucket_mb=cfg.train.weight_bucket_mb,
-    )
+    return _settings(cfg, model_path, CRITIC_SETTINGS)
 
 
 def critic_model_path(cfg: JobConfig, policy_path: str) -> str:

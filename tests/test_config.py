@@ -154,3 +154,23 @@ def test_builtin_names_match_the_registries_and_validation_does_not_import_torch
     assert out.stdout.strip() == "False"
     with pytest.raises(ConfigError, match="unknown policy loss 'nope'; use one of"):
         load_config(None, ["algorithm.policy_loss=nope"])
+
+
+def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
+    """Every TrainerSettings field comes from the config through POLICY_SETTINGS (or is built from several
+    fields), and a rank built by hand with the defaults gets what the default config gives."""
+    import dataclasses
+
+    from operators.train_worker import TrainerSettings
+    from pipelines.trainer_group import CRITIC_SETTINGS, POLICY_SETTINGS, critic_settings, trainer_settings
+
+    cfg = load_config(None, ["critic.lr=0.01", "algorithm.advantage=gae"])
+    built = trainer_settings(cfg, "model")
+    fields = {f.name for f in dataclasses.fields(TrainerSettings)}
+    assert fields == {"model_path", "lr_schedule", "correction", *POLICY_SETTINGS}
+    defaults = TrainerSettings(model_path="model")
+    for name in POLICY_SETTINGS:
+        assert getattr(defaults, name) == getattr(built, name), name
+    assert set(CRITIC_SETTINGS) <= set(POLICY_SETTINGS)
+    critic = critic_settings(cfg, "critic")
+    assert critic.lr == 0.01 and critic.micro_batch_tokens == built.micro_batch_tokens
