@@ -177,6 +177,12 @@ class VLLMOptions(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="vLLM compute dtype; float32 matches the trainer's log-probs most closely."
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one vLLM engine is split over (tensor parallel), for a model too big for one "
+        "GPU or for faster decoding. On GPUs set rollout.num_gpus to the same number: each generate actor gets a "
+        "placement group of that many GPUs on one node (pipelines/placement.py). On CPU (num_gpus: 0) the "
+        "engine's workers are processes sharing the actor's rollout.num_cpus. Needs engine: vllm."
+    )
 
 
 IN_FLIGHT_ENGINES = ("vllm", "sim")  # as operators.engines.base.IN_FLIGHT_ENGINES (not imported: it pulls numpy)
@@ -263,6 +269,30 @@ class RolloutConfig(_Section):
                 f"partial_rollout: engine {self.engine!r} cannot pause requests in flight and load new weights under "
                 "them; use engine: vllm, or partial_rollout: false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> "RolloutConfig":
+        tp, gpus = self.vllm.tensor_parallel_size, self.num_gpus
+        problems = []
+        if tp > 1 and self.engine != "vllm":
+            problems.append(
+                f"rollout.vllm.tensor_parallel_size: {tp} splits a vLLM engine over {tp} devices, but rollout.engine "
+                f"is {self.engine!r}; set rollout.engine: vllm, or tensor_parallel_size: 1"
+            )
+        elif tp > 1 and gpus and gpus != tp:
+            problems.append(
+                f"rollout.num_gpus: {gpus:g} GPU(s) per generate actor, but rollout.vllm.tensor_parallel_size: {tp} "
+                f"splits each engine over {tp} GPUs; set rollout.num_gpus: {tp} (one engine's GPUs, reserved "
+                "together on one node), or 0 on CPU"
+            )
+        elif self.engine == "vllm" and gpus > 1 and tp == 1:
+            problems.append(
+                f"rollout.num_gpus: {gpus:g} GPUs per generate actor, but a vLLM engine with "
+                f"rollout.vllm.tensor_parallel_size: 1 uses one; set tensor_parallel_size: {gpus:g} to split the "
+                "engine over them, or rollout.num_gpus: 1 (more engines: rollout.num_actors)"
+            )
+        _raise_at(problems)
         return self
 
     def uses_in_flight(self) -> bool:
@@ -799,6 +829,7 @@ class JobConfig(_Section):
                     "section (`reference: {}` uses the starting policy) or set the coefficient to 0"
                 )
         problems += self._critic_problems(samples)
+        problems += self._eval_engine_problems()
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         if self.ray.cluster is not None:
@@ -817,6 +848,16 @@ class JobConfig(_Section):
         if not self.algorithm.dynamic_sampling:
             return self.train.groups_per_step
         return self.algorithm.dynamic_sampling_groups or 2 * self.train.groups_per_step
+    def _eval_engine_problems(self) -> list[str]:
+        """The evaluator's vLLM engine takes rollout.vllm, tensor_parallel_size included, in one plain actor."""
+        tp = self.rollout.vllm.tensor_parallel_size
+        if self.eval is None or tp == 1 or (self.eval.engine or self.rollout.engine) != "vllm":
+            return []
+        if self.eval.num_gpus and self.eval.num_gpus != tp:
+            return [f"eval.num_gpus: {self.eval.num_gpus:g} GPU(s) for the evaluator, whose vLLM engine takes "
+                    f"rollout.vllm.tensor_parallel_size: {tp}; set eval.num_gpus: {tp}, or eval.engine: hf"]
+        return []
+
     def _critic_problems(self, samples: int) -> list[str]:
         from operators.registry import is_registered
 

@@ -161,19 +161,20 @@ def eval_dataset(frames: list[pd.DataFrame], model_path: str, settings: EvalSett
 
     from operators.generate import Generate
     from operators.reward import Reward
+    from pipelines.placement import map_stage
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # scored rows in prompt order
     ds = ray.data.from_pandas(frames)
-    ds = ds.map_batches(
-        Generate, fn_constructor_kwargs={
+    ds = map_stage(
+        ds, Generate, fn_constructor_kwargs={
             **settings.generate_kwargs(model_path, engine_options or {}, policy_version), "greedy": greedy,
         },
-        compute=ActorPoolStrategy(size=1), batch_size=None, batch_format="pandas", num_cpus=num_cpus,
-        **({"num_gpus": num_gpus} if num_gpus else {}),
+        compute=ActorPoolStrategy(size=1), batch_size=None, batch_format="pandas",
+        options={"num_cpus": num_cpus, "num_gpus": num_gpus or None},
     )
-    return ds.map_batches(Reward, fn_constructor_kwargs=settings.reward_kwargs(), compute=ActorPoolStrategy(size=1),
-                          batch_size=None, batch_format="pandas", num_cpus=0.1)
+    return map_stage(ds, Reward, fn_constructor_kwargs=settings.reward_kwargs(), compute=ActorPoolStrategy(size=1),
+                     batch_size=None, batch_format="pandas", options={"num_cpus": 0.1})
 
 
 def _score(frames, cfg: JobConfig, settings: EvalSettings, checkpoint: Checkpoint, echo) -> pd.DataFrame:

@@ -44,6 +44,9 @@ from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
 from pipelines.fused import Chain
 from pipelines.lineage import NullTracker, Tracker, announce_run
+from pipelines.placement import (
+    ReplicaPlacement, drop_remote_args_probes, engine_bundles, map_stage, vllm_executor_backend,
+)
 from pipelines.policy_store import create_policy_store
 from pipelines.progress import Progress
 from pipelines.resources import DAG_HELPER_CPUS, stage_options
@@ -97,14 +100,34 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
 
 
-def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False) -> dict:
-    """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form)."""
+def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False,
+                   replica_group: bool = False) -> dict:
+    """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form).
+    `replica_group`: the engine runs in a generate replica's placement group (replica_placement), whose GPU
+    bundles vLLM's Ray executor fills; otherwise a tensor-parallel engine uses the GPUs its actor holds."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
     if (engine or cfg.rollout.engine) == "vllm":
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
         if in_flight:
             options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
+        backend = vllm_executor_backend(cfg.rollout.vllm.tensor_parallel_size,
+                                        cfg.rollout.num_gpus if replica_group else 0)
+        if backend is not None:
+            options["distributed_executor_backend"] = backend
     return options
+
+
+def replica_placement(cfg: JobConfig) -> ReplicaPlacement | None:
+    """A placement group per generate actor when one engine spans several devices (None otherwise: a
+    one-device engine is one actor's reservation, which Ray already keeps on one node). Whoever runs the
+    DAG calls `release()` when it ends (_run_attempt)."""
+    rollout = cfg.rollout
+    if rollout.vllm.tensor_parallel_size == 1:
+        return None
+    return ReplicaPlacement(
+        engine_bundles(rollout.vllm.tensor_parallel_size, rollout.num_cpus, rollout.num_gpus, rollout.resources),
+        replicas=rollout.num_actors,
+    )
 
 
 # How long one round of Ray Data's scheduling loop waits for tasks to finish (Ray's default: 0.1 s).
@@ -155,13 +178,19 @@ def drop_object_store_budget(ctx: ray.data.DataContext) -> None:
 def build_rl_dataset(
     schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers,
     remote_args: dict[str, dict] | None = None, first_step: int = 0, checkpoint_options: dict | None = None,
-    critics=None,
+    critics=None, replicas: ReplicaPlacement | None = None,
 ) -> ray.data.Dataset:
-    """The DAG. `remote_args` adds Ray options per stage ("generate", "reward"), e.g.
+    """The DAG. `remote_args` adds Ray options per stage ("generate", "reward", "reference"), e.g.
     {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}. `schedule` starts at
     `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
-    critic group (start_critic_group) when the config has a critic."""
+    critic group (start_critic_group) when the config has a critic. `replicas`: the generate actors'
+    placement groups (replica_placement(cfg)) when an engine spans several devices; the caller releases
+    them when the DAG ends (made here if not given: then they last until the driver exits)."""
     remote_args = remote_args or {}
+    replicas = replicas or replica_placement(cfg)
+    generate_options = {"num_cpus": cfg.rollout.num_cpus, **remote_args.get("generate", {})}
+    if replicas is not None:  # the group holds the engine's GPUs (vLLM's workers take them), the actor none
+        generate_options.update(num_gpus=None, ray_remote_args_fn=replicas)
     in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
     queued = calls if in_flight else 2
     ctx = ray.data.DataContext.get_current()
@@ -176,13 +205,15 @@ def build_rl_dataset(
     ctx.print_on_execution_start = False
     shorten_scheduling_wait()
     drop_object_store_budget(ctx)
+    if replicas is not None:
+        drop_remote_args_probes(ctx)
     ds = ray.data.from_pandas(schedule)
     generate = dict(
         model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
         max_staleness=cfg.train.max_staleness,
-        engine_options=engine_options(cfg, in_flight=in_flight),
+        engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None),
         in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
         partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
     )
@@ -193,8 +224,8 @@ def build_rl_dataset(
     # reward.placement "generate": each group is scored in the generate actor that sampled it (one stage,
     # one executor hop less on the loop); "stage": a reward actor pool of its own.
     in_generate = cfg.reward.placement == "generate"
-    ds = ds.map_batches(
-        GenerateReward if in_generate else Generate,
+    ds = map_stage(
+        ds, GenerateReward if in_generate else Generate,
         fn_constructor_kwargs=dict(stages=[(Generate, generate), (Reward, reward)]) if in_generate else generate,
         # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
         # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time, with the
@@ -203,41 +234,40 @@ def build_rl_dataset(
         compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=queued,
                                   max_concurrent_calls_per_actor=calls if in_flight else None,
                                   enable_true_multi_threading=True if in_flight else None),
-        num_cpus=cfg.rollout.num_cpus, batch_size=None, batch_format="pandas",
-        **remote_args.get("generate", {}),
+        batch_size=None, batch_format="pandas", options=generate_options,
     )
     if not in_generate:
-        ds = ds.map_batches(
-            Reward, fn_constructor_kwargs=reward,
-            compute=ActorPoolStrategy(size=cfg.reward.num_actors), num_cpus=cfg.reward.num_cpus,
-            batch_size=None, batch_format="pandas", **remote_args.get("reward", {}),
+        ds = map_stage(
+            ds, Reward, fn_constructor_kwargs=reward, compute=ActorPoolStrategy(size=cfg.reward.num_actors),
+            batch_size=None, batch_format="pandas",
+            options={"num_cpus": cfg.reward.num_cpus, **remote_args.get("reward", {})},
         )
     if cfg.reference is not None:  # the design's ref_logprob stage: log-probs of a frozen reference policy
         ref = cfg.reference
-        ds = ds.map_batches(
-            RefLogprob,
+        ds = map_stage(
+            ds, RefLogprob,
             fn_constructor_kwargs=dict(
                 model_path=resolve_model_path(ModelConfig(path=ref.model_path)) if ref.model_path else model_path,
                 temperature=cfg.rollout.temperature, micro_batch_tokens=ref.micro_batch_tokens,
                 torch_threads=ref.torch_threads, dtype=ref.dtype, trust_remote_code=cfg.model.trust_remote_code,
             ),
-            compute=ActorPoolStrategy(size=ref.num_actors), num_cpus=ref.num_cpus, batch_size=None,
-            batch_format="pandas", **remote_args.get("reference", {}),
+            compute=ActorPoolStrategy(size=ref.num_actors), batch_size=None, batch_format="pandas",
+            options={"num_cpus": ref.num_cpus, **remote_args.get("reference", {})},
         )
     if critics is not None:
-        ds = ds.map_batches(
-            Value,
+        ds = map_stage(
+            ds, Value,
             fn_constructor_kwargs=dict(model_path=critics.model_path, value_store=critics.store_name,
                                        torch_threads=cfg.critic.torch_threads,
                                        trust_remote_code=cfg.model.trust_remote_code),
-            compute=ActorPoolStrategy(size=1), num_cpus=cfg.critic.value_num_cpus, batch_size=None,
-            batch_format="pandas",
+            compute=ActorPoolStrategy(size=1), batch_size=None, batch_format="pandas",
+            options={"num_cpus": cfg.critic.value_num_cpus},
         )
     # Advantage runs in the Train stage's actor: one executor trip less on the loop (pipelines/fused.py).
     # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
     # last checkpoint instead (run_job).
-    return ds.map_batches(
-        AdvantageTrain,
+    return map_stage(
+        ds, AdvantageTrain,
         fn_constructor_kwargs=dict(stages=[
             (Advantage, advantage_options(cfg)),
             (Train, dict(
@@ -251,7 +281,7 @@ def build_rl_dataset(
         # step starts the moment this one ends (operators.train.Train is safe for it).
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=TRAIN_CALLS,
                                   max_concurrent_calls_per_actor=TRAIN_CALLS, enable_true_multi_threading=True),
-        num_cpus=DAG_HELPER_CPUS, batch_size=None, batch_format="pandas", max_restarts=0,
+        batch_size=None, batch_format="pandas", options={"num_cpus": DAG_HELPER_CPUS, "max_restarts": 0},
     )
 
 
@@ -514,6 +544,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
     evaluator = evaluation.start(store_name, first, progress.echo)
     workers, placement = start_trainer_group(cfg, model_path, store_name)
     critics, value_store = None, None
+    replicas = replica_placement(cfg)  # the generate actors' placement groups, released below
     try:
         if cfg.critic is not None:  # its own store; version -1 until rank 0 publishes the initialised critic
             value_store_name = f"streamrl-critic-{uuid.uuid4().hex[:8]}"
@@ -532,7 +563,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
             max_nan_skips=cfg.train.max_nan_skips, hf_export=cfg.train.checkpoint_hf_export,
         )
         ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
-                              first_step=first, checkpoint_options=options, critics=critics)
+                              first_step=first, checkpoint_options=options, critics=critics, replicas=replicas)
         failure = None
         try:
             for row in iter_steps(ds):
@@ -556,6 +587,8 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
     finally:
         if evaluator is not None:
             evaluator.close()
+        if replicas is not None:  # a restarted attempt makes new ones; these would hold their GPUs till exit
+            replicas.release()
         stop_trainer_group(workers)
         try:
             loads.extend(ray.get(store.load_log.remote(), timeout=10))

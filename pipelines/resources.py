@@ -76,11 +76,26 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
 
 
 def stage_options(cfg: JobConfig) -> dict[str, dict]:
-    """Ray options beyond CPUs for build_rl_dataset's stages (GPUs, custom resources)."""
+    """Ray options beyond CPUs for build_rl_dataset's stages (GPUs, custom resources). A generate
+    actor whose engine spans several GPUs reserves them in its placement group instead
+    (pipelines/placement.py: build_rl_dataset makes it)."""
     stages = {"generate": {"num_gpus": cfg.rollout.num_gpus, "resources": cfg.rollout.resources}}
     if cfg.reference is not None:
         stages["reference"] = {"num_gpus": cfg.reference.num_gpus, "resources": cfg.reference.resources}
     return {stage: {key: value for key, value in options.items() if value} for stage, options in stages.items()}
+
+
+def _tensor_parallel_problem(cfg: JobConfig, nodes: list[Node]) -> str | None:
+    """One engine's GPUs form a STRICT_PACK placement group: a node must hold all of them."""
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    if tp == 1 or not cfg.rollout.num_gpus:
+        return None
+    largest = max(node.free.get("GPU", 0.0) for node in nodes)
+    if largest >= tp:
+        return None
+    return (f"rollout.vllm.tensor_parallel_size: {tp} puts one vLLM engine's {tp} GPUs on one node (a STRICT_PACK "
+            f"placement group per generate actor), and the node with the most has {largest:g}; set "
+            f"tensor_parallel_size and rollout.num_gpus to {largest:g} or less, or add nodes with {tp} GPUs")
 
 
 def totals(cfg: JobConfig) -> dict[str, float]:
@@ -114,12 +129,16 @@ def plan_problems(cfg: JobConfig, nodes: list[Node]) -> list[str]:
     if not nodes:
         return ["the cluster has no nodes"]
     problems = []
+    stages = demands(cfg)
+    problem = _tensor_parallel_problem(cfg, nodes)
+    if problem:  # the generate actors cannot be placed; the plan below would only repeat it less clearly
+        problems.append(problem)
+        stages.pop("generate")
     if cfg.train.placement == "NONE" and cfg.train.world_size > 1 and len(nodes) > 1:
         problems.append(
             "train.placement: NONE meets the ranks on 127.0.0.1, which only works when they share one machine; "
             "on a cluster of several nodes use PACK, STRICT_PACK or STRICT_SPREAD"
         )
-    stages = demands(cfg)
     trainer = stages.pop("train")
     problem = _place_trainer(trainer, cfg.train.placement, nodes)
     if problem:
