@@ -8,7 +8,7 @@ every problem with its field path and the fix, so a user fixes the file in one p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,15 +114,6 @@ class DataConfig(_Section):
         "them and reports what was dropped."
     )
 
-    @model_validator(mode="after")
-    def _dataset_readable(self) -> "DataConfig":
-        problems, resolved = dataset_problems(self.path, self.prompt_column, self.id_column, self._field_prefix)
-        _raise_at(problems)
-        self.path = resolved
-        return self
-
-    _field_prefix: ClassVar[str] = "data"  # where problems are reported: data.path, eval.data.path ...
-
 
 class EvalDataConfig(DataConfig):
     path: str = Field(
@@ -135,36 +126,6 @@ class EvalDataConfig(DataConfig):
     shuffle: bool = Field(False, description="Shuffle the prompts (with `seed`) before eval.max_prompts "
                           "takes the first ones.")
 
-    _field_prefix: ClassVar[str] = "eval.data"
-
-
-def dataset_problems(path: str, prompt_column: str, id_column: str | None, where: str) -> tuple[list[str], str]:
-    """Problems ('where.field: message') that make a dataset unusable, found without reading all of it:
-    an unknown builtin, a missing or unreadable file, a missing prompt or id column. Also the path resolved."""
-    if path.startswith(BUILTIN_DATASET_PREFIX):
-        name = path[len(BUILTIN_DATASET_PREFIX):]
-        if name not in BUILTIN_DATASETS:
-            return [f"{where}.path: unknown builtin dataset {name!r}; use one of {list(BUILTIN_DATASETS)}"], path
-        return [], path
-    file = Path(path).expanduser()
-    if file.suffix not in DATASET_SUFFIXES:
-        return [f"{where}.path: {path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"], path
-    if not file.is_file():
-        return [f"{where}.path: dataset file {path!r} does not exist; give an existing file"], path
-    from pipelines.datasets import DatasetError, read_columns
-
-    try:
-        columns = read_columns(file)
-    except DatasetError as err:  # names the file, what is wrong and the fix
-        return [f"{where}.path: {err}"], path
-    except Exception as err:  # a corrupt file must be named, not crash later in an actor
-        return [f"{where}.path: cannot read {path!r} ({type(err).__name__}: {err}); check the file"], path
-    problems = [
-        f"{where}.{field_name}: column {column!r} is not in {path!r}; its columns are {columns}"
-        for field_name, column in (("prompt_column", prompt_column), ("id_column", id_column))
-        if column is not None and column not in columns
-    ]
-    return problems, str(file.resolve())
 
 
 class VLLMOptions(_Section):
@@ -832,14 +793,6 @@ class JobConfig(_Section):
         problems += self._eval_engine_problems()
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
-        if self.ray.cluster is not None:
-            from pipelines.resources import declared_nodes, plan_problems
-
-            problems += [f"ray.cluster: {text}" for text in plan_problems(self, declared_nodes(self.ray.cluster))]
-            from pipelines.memory import trainer_memory_problem
-
-            memory = trainer_memory_problem(self, self.model.path)
-            problems += [memory] if memory else []
         _raise_at(problems)
         return self
 
@@ -966,9 +919,16 @@ def config_from_tree(tree: dict, overrides: list[str] | None = None, source: str
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     try:
-        return JobConfig.model_validate(tree)
+        cfg = JobConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_pydantic(err), source) from None
+    # The schema holds: now what it names, in one pass (dataset files, the declared cluster, the memory).
+    from pipelines.checks import world_problems
+
+    problems = world_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
 
 
 def flatten(config: BaseModel) -> dict[str, Any]:

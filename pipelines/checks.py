@@ -1,0 +1,60 @@
+"""A config against the world it names, in one pass once the schema holds (pipelines/config.py checks
+values and how they fit together, and imports none of this): the dataset files, the cluster that
+`ray.cluster` declares, and whether the trainer fits its GPUs. `config_from_tree` runs it, so every
+`load_config` does; each problem is (field path, message) with the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines.config import BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, JobConfig
+
+
+def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    """Every problem found, in config order; the dataset paths are resolved in `cfg` as a side effect."""
+    lines: list[str] = []
+    sections = [(cfg.data, "data")] + ([(cfg.eval.data, "eval.data")] if cfg.eval is not None else [])
+    for data, where in sections:
+        problems, resolved = dataset_problems(data.path, data.prompt_column, data.id_column, where)
+        lines += problems
+        data.path = resolved
+    if cfg.ray.cluster is not None:
+        from pipelines.memory import trainer_memory_problem
+        from pipelines.resources import declared_nodes, plan_problems
+
+        lines += [f"ray.cluster: {text}" for text in plan_problems(cfg, declared_nodes(cfg.ray.cluster))]
+        memory = trainer_memory_problem(cfg, cfg.model.path)
+        lines += [memory] if memory else []
+    return [tuple(line.split(": ", 1)) for line in lines]
+
+
+def dataset_problems(path: str, prompt_column: str, id_column: str | None, where: str) -> tuple[list[str], str]:
+    """Problems ('where.field: message') that make a dataset unusable, found without reading all of it:
+    an unknown builtin, a missing or unreadable file, a missing prompt or id column. Also the path resolved."""
+    if path.startswith(BUILTIN_DATASET_PREFIX):
+        name = path[len(BUILTIN_DATASET_PREFIX):]
+        if name not in BUILTIN_DATASETS:
+            return [f"{where}.path: unknown builtin dataset {name!r}; use one of {list(BUILTIN_DATASETS)}"], path
+        return [], path
+    file = Path(path).expanduser()
+    if file.suffix not in DATASET_SUFFIXES:
+        return [f"{where}.path: {path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"], path
+    if not file.is_file():
+        return [f"{where}.path: dataset file {path!r} does not exist; give an existing file"], path
+    from pipelines.datasets import DatasetError, read_columns
+
+    try:
+        columns = read_columns(file)
+    except DatasetError as err:  # names the file, what is wrong and the fix
+        return [f"{where}.path: {err}"], path
+    except Exception as err:  # a corrupt file must be named, not crash later in an actor
+        return [f"{where}.path: cannot read {path!r} ({type(err).__name__}: {err}); check the file"], path
+    problems = [
+        f"{where}.{field_name}: column {column!r} is not in {path!r}; its columns are {columns}"
+        for field_name, column in (("prompt_column", prompt_column), ("id_column", id_column))
+        if column is not None and column not in columns
+    ]
+    return problems, str(file.resolve())
+
+
