@@ -57,24 +57,20 @@ class Train:
         total_steps: int,
         first_step: int = 0,
         success_threshold: float = 1.0,
-        checkpoint_root: str | None = None,
-        checkpoint_every: int = 0,
-        checkpoint_keep: int = 0,
+        checkpoints=None,
         prior_ledger: str | None = None,
-        run_info: dict | None = None,
         max_nan_skips: int | None = None,
-        hf_export: str = "last",
         whiten_advantages: bool = False,
         generated_per_step: int | None = None,
         dynamic_sampling: bool = False,
         critics: Sequence = (),
         mini_batches: int = 1,
     ):
-        """`total_steps` counts from `first_step` (a resumed job's first step). With `checkpoint_root`,
-        checkpoints go there every `checkpoint_every` steps (0: only after the last step), the newest
-        `checkpoint_keep` are kept (0: all); the last one also gets a Hugging Face export (weights and
-        tokenizer), every one with `hf_export="every"`. `prior_ledger`: the ledger of the checkpoint the job
-        resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
+        """`total_steps` counts from `first_step` (a resumed job's first step). `checkpoints`: what writes
+        resumable checkpoints between steps, or None for none; any object with `due(steps_done, last)` and
+        `write(steps_done, workers, critics, ledger, last) -> Path` (a job passes pipelines.checkpoint.StepCheckpoints;
+        this operator imports nothing of pipelines/). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
+        the checkpoint the job resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
         (operators.advantage.whiten_over_step; REINFORCE++) before training on them. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
         `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped.
@@ -84,7 +80,6 @@ class Train:
         self.mini_batches = mini_batches
         self.generated_per_step = generated_per_step or groups_per_step
         self.dynamic_sampling = dynamic_sampling
-        self.hf_export = hf_export
         self.whiten_advantages = whiten_advantages
         self.workers = list(workers)
         self.critics = list(critics)
@@ -92,14 +87,7 @@ class Train:
         self.end_step = first_step + total_steps
         self.next_step = first_step
         self.success_threshold = success_threshold
-        self.checkpoints = None
-        if checkpoint_root is not None:
-            from pipelines.checkpoint import CheckpointDir
-
-            self.checkpoints = CheckpointDir(Path(checkpoint_root))
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_keep = checkpoint_keep
-        self.run_info = dict(run_info or {})
+        self.checkpoints = checkpoints
         self.ledger: list[pd.DataFrame] = [pd.read_parquet(prior_ledger)] if prior_ledger else []
         self.seen: set[str] = set(self.ledger[0]["group_uid"]) if self.ledger else set()
         self.duplicates = 0
@@ -244,32 +232,10 @@ class Train:
     def _maybe_checkpoint(self, steps_done: int) -> Path | None:
         """After `steps_done` optimizer steps: write a checkpoint if one is due (policy version = steps_done)."""
         last = steps_done == self.end_step
-        due = last or (self.checkpoint_every and steps_done % self.checkpoint_every == 0)
-        if self.checkpoints is None or not due:
+        if self.checkpoints is None or not self.checkpoints.due(steps_done, last):
             return None
-        import ray
-
-        tmp = self.checkpoints.begin(steps_done)
-        try:
-            from pipelines.checkpoint import CRITIC_DIR
-
-            ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in self.workers]
-                    + [critic.save_checkpoint.remote(str(tmp / CRITIC_DIR)) for critic in self.critics])
-            if last or self.hf_export == "every":  # the policy, loadable with from_pretrained / vLLM / streamrl
-                # eval (rank 0 adds the tokenizer: it has transformers loaded already; importing it here
-                # would cost this actor seconds); the critic beside it, loadable by operators.value.Value
-                ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in self.workers]
-                        + [critic.save_pretrained.remote(str(tmp / CRITIC_DIR / "model"), tokenizer=True)
-                           for critic in self.critics])
-            ledger = pd.concat(self.ledger, ignore_index=True)
-            state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger),
-                     "world_size": len(self.workers)}
-            final = self.checkpoints.commit(tmp, steps_done, state, ledger)
-        except BaseException:
-            self.checkpoints.discard(tmp)
-            raise
-        self.checkpoints.prune(self.checkpoint_keep, protect=final)
-        return final
+        ledger = pd.concat(self.ledger, ignore_index=True)
+        return self.checkpoints.write(steps_done, self.workers, self.critics, ledger, last)
 
 
 def _informative(row: dict) -> bool:
@@ -387,10 +353,17 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
     return table[ROLLOUT_COLUMNS + critic]
 
 
+# The ledger: one row per group a step consumed, the record exactly-once resume and `streamrl lineage`
+# read (checkpoints carry it: pipelines/checkpoint.py). `used`: the group was in its step's update (dynamic
+# sampling leaves some out, `dropped` says why: zero_variance or surplus); `trained`: the step's update was
+# applied (not skipped for a non-finite loss). `policy_version` / `policy_version_max`: the oldest / newest
+# version that sampled a token of the group.
+LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "policy_version_max", "staleness",
+                  "trained", "used", "dropped"]
+
+
 def _ledger_rows(table: pd.DataFrame, trained: bool) -> pd.DataFrame:
     """The ledger's record of one step: which groups (prompt ids, policy versions) it consumed."""
-    from pipelines.checkpoint import LEDGER_COLUMNS
-
     rows = table.assign(trained=trained)
     rows["epoch"] = rows["epoch"].astype("Int64")
     return rows.reindex(columns=LEDGER_COLUMNS).reset_index(drop=True)

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from operators.train import LEDGER_COLUMNS  # the Train operator writes the ledger; its columns are defined there
+
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 LEDGER = "ledger.parquet"
@@ -43,11 +45,6 @@ ENGINE_DIR = "engine"
 RNG_DIR = "rng"
 CRITIC_DIR = "critic"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-# `used`: the group was in its step's update (dynamic sampling leaves some out, `dropped` says why:
-# zero_variance or surplus); `trained`: the step's update was applied (not skipped for a non-finite loss).
-# `policy_version` / `policy_version_max`: the oldest / newest version that sampled a token of the group.
-LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "policy_version_max", "staleness",
-                  "trained", "used", "dropped"]
 
 
 class CheckpointError(RuntimeError):
@@ -212,6 +209,44 @@ class CheckpointDir:
         for path in old:
             shutil.rmtree(path, ignore_errors=True)
         return old
+
+
+class StepCheckpoints:
+    """What the Train operator (operators/train.py) calls between steps to write a job's checkpoints:
+    every `every` steps (0: only after the last one) into `root`, the newest `keep` kept (0: all), a
+    Hugging Face export (weights and tokenizer) in the last one, or in every one with hf_export "every".
+    Picklable: it travels to the Train stage's actor with the operator's arguments."""
+
+    def __init__(self, root: str, every: int = 0, keep: int = 0, hf_export: str = "last", run_info: dict | None = None):
+        self.root, self.every, self.keep, self.hf_export = str(root), every, keep, hf_export
+        self.run_info = dict(run_info or {})
+
+    def due(self, steps_done: int, last: bool) -> bool:
+        return last or bool(self.every and steps_done % self.every == 0)
+
+    def write(self, steps_done: int, workers, critics, ledger: pd.DataFrame, last: bool) -> Path:
+        """Every rank's engine and RNG state (and the critic's), the ledger, an export when due; atomically."""
+        import ray
+
+        folder = CheckpointDir(Path(self.root))
+        tmp = folder.begin(steps_done)
+        try:
+            ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in workers]
+                    + [critic.save_checkpoint.remote(str(tmp / CRITIC_DIR)) for critic in critics])
+            if last or self.hf_export == "every":
+                # the policy, loadable with from_pretrained / vLLM / streamrl eval (rank 0 adds the tokenizer:
+                # it has transformers loaded already; importing it in the Train actor would cost seconds); the
+                # critic beside it, loadable by operators.value.Value
+                ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in workers]
+                        + [critic.save_pretrained.remote(str(tmp / CRITIC_DIR / "model"), tokenizer=True)
+                           for critic in critics])
+            state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger), "world_size": len(workers)}
+            final = folder.commit(tmp, steps_done, state, ledger)
+        except BaseException:
+            folder.discard(tmp)
+            raise
+        folder.prune(self.keep, protect=final)
+        return final
 
 
 def find_run_dirs(output_dir: Path) -> list[Path]:

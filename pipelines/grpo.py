@@ -38,7 +38,7 @@ from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
 from operators.train import Train
 from operators.value import Value
-from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, dataset_digest
+from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, StepCheckpoints, dataset_digest
 from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
@@ -557,10 +557,11 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                        for critic in critics or []])
         frames = [frame for frame in schedule if int(frame["train_step"].iloc[0]) >= first]
         options = dict(
-            checkpoint_root=str(run_dir.root), checkpoint_every=cfg.train.checkpoint_every,
-            checkpoint_keep=cfg.train.checkpoint_keep, run_info=run_info,
+            checkpoints=StepCheckpoints(str(run_dir.root), every=cfg.train.checkpoint_every,
+                                        keep=cfg.train.checkpoint_keep, hf_export=cfg.train.checkpoint_hf_export,
+                                        run_info=run_info),
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
-            max_nan_skips=cfg.train.max_nan_skips, hf_export=cfg.train.checkpoint_hf_export,
+            max_nan_skips=cfg.train.max_nan_skips,
         )
         ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
                               first_step=first, checkpoint_options=options, critics=critics, replicas=replicas)
