@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from operators.engines.sim import CostModel
+from benchmarks.sim_engine import CostModel
 
 
 class SimTrainWorker:

@@ -6,7 +6,7 @@
 
 The DAG, scheduler, policy store, staleness gate, Ray Data backpressure, the rollout loop
 (`operators/rollout.py`) and the Train operator are the real ones (`pipelines.grpo`); only the
-engine (`operators/engines/sim.py`, a continuous-batching cost model with the in-flight
+engine (`benchmarks/sim_engine.py`, a continuous-batching cost model with the in-flight
 engine's pause/resume) and the trainer's compute (`sim_trainer.py`) are modelled.
 Accelerators are a Ray custom resource `sim_gpu`; one actor stands for a group of GPUs.
 Time runs `time_scale` times faster than simulated time; every figure printed here is
@@ -49,10 +49,13 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The simulated engine is benchmark code (benchmarks/sim_engine.py), imported by name in the generate actors:
+# the local cluster's workers inherit this environment, so they find it from any working directory.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 import sim_trainer
 
-from operators.engines.sim import CostModel
+from benchmarks.sim_engine import ENGINE as SIM_ENGINE, CostModel
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -237,7 +240,7 @@ def job_config(layout: Layout, steps: int):
     cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml", [f"{k}={v}" for k, v in overrides.items()])
     # Set after validation: the config's Literal knows hf/vllm (the DAG passes the name to make_in_flight_engine),
     # and in_flight / partial_rollout are validated against that engine.
-    cfg.rollout.engine = "sim"
+    cfg.rollout.engine = SIM_ENGINE
     cfg.rollout.in_flight = layout.in_flight
     cfg.rollout.partial_rollout = layout.partial_rollout
     return cfg

@@ -18,7 +18,8 @@ excluded). All other columns pass through.
 greedy=...)` generates with the weights loaded now, and `load_policy(version, weights)` loads
 a given policy version: what an evaluator that is not gated on the store uses.
 
-**In flight** (`in_flight=True`; engines 'vllm' and 'sim'): the engine runs as an async engine in a
+**In flight** (`in_flight=True`; engine 'vllm', or an engine class with `stream` such as the
+benchmarks' simulator): the engine runs as an async engine in a
 `RolloutLoop` (operators/rollout.py) with up to `max_seqs_in_flight` sequences, fed by every call
 the actor runs at once. Give the actor several calls (Ray Data's
 `ActorPoolStrategy(max_tasks_in_flight_per_actor=k, max_concurrent_calls_per_actor=k,

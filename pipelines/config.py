@@ -146,7 +146,14 @@ class VLLMOptions(_Section):
     )
 
 
-IN_FLIGHT_ENGINES = ("vllm", "sim")  # as operators.engines.base.IN_FLIGHT_ENGINES (not imported: it pulls numpy)
+def has_in_flight_form(engine: str) -> bool:
+    """operators.engines.base.has_in_flight_form, which is imported (numpy) only for an engine class
+    ('module:Class', e.g. the benchmarks' simulator set after validation), not for hf and vllm."""
+    if engine in ("hf", "vllm"):
+        return engine == "vllm"
+    from operators.engines.base import has_in_flight_form as of_class
+
+    return of_class(engine)
 
 
 def vllm_installed() -> bool:
@@ -217,13 +224,13 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _in_flight_engine(self) -> "RolloutConfig":
-        if self.in_flight and self.engine not in IN_FLIGHT_ENGINES:
+        if self.in_flight and not has_in_flight_form(self.engine):
             raise ValueError(
                 f"in_flight: engine {self.engine!r} is call-synchronous (it cannot keep requests in flight); "
                 "use engine: vllm, or in_flight: false"
             )
         if self.partial_rollout and not self.uses_in_flight():
-            if self.engine in IN_FLIGHT_ENGINES:
+            if has_in_flight_form(self.engine):
                 raise ValueError("partial_rollout: needs the engine's requests kept in flight, but in_flight is false; "
                                  "set in_flight: true, or partial_rollout: false")
             raise ValueError(
@@ -257,7 +264,7 @@ class RolloutConfig(_Section):
         return self
 
     def uses_in_flight(self) -> bool:
-        return self.engine in IN_FLIGHT_ENGINES if self.in_flight is None else bool(self.in_flight)
+        return has_in_flight_form(self.engine) if self.in_flight is None else bool(self.in_flight)
 
     def actor_calls(self) -> int:
         """Generate calls each actor runs at once (1 when call-synchronous)."""

@@ -1,6 +1,6 @@
 """RolloutLoop (operators/rollout.py) driving the in-flight sim engine: no model, no Ray.
 
-The sim engine is a cost model of a continuous-batching server (operators/engines/sim.py); with a
+The sim engine is a cost model of a continuous-batching server (benchmarks/sim_engine.py); with a
 tiny cost model and a large time_scale every group takes a fraction of a second. Checked: the cap on
 sequences in flight, a freed slot refilled while group-mates still decode, partial rollout (a
 weight update under running requests gives responses whose tokens span two versions, old ones
@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from benchmarks.sim_engine import ENGINE as SIM
 from operators.engines import SamplingParams
 from operators.engines.base import make_in_flight_engine
 from operators.rollout import RolloutLoop, wait_all
@@ -36,7 +37,7 @@ def cost_path(tmp_path):
 
 
 def make_loop(cost_path: str, cap: int, partial_rollout: bool = False) -> RolloutLoop:
-    return RolloutLoop(make_in_flight_engine("sim", cost_path), max_seqs_in_flight=cap, partial_rollout=partial_rollout)
+    return RolloutLoop(make_in_flight_engine(SIM, cost_path), max_seqs_in_flight=cap, partial_rollout=partial_rollout)
 
 
 def submit(loop: RolloutLoop, groups: int, n: int, offset: int = 0) -> list[concurrent.futures.Future]:
@@ -68,7 +69,7 @@ def test_engine_lengths_follow_the_prompt_in_both_interfaces(cost_path):
         streamed = [r.sample.token_ids for r in wait_all(submit(loop, groups=4, n=8))]
     finally:
         loop.close()
-    engine = make_engine("sim", cost_path)
+    engine = make_engine(SIM, cost_path)
     called = [g.token_ids for g in engine.generate(engine.encode([f"question {i}" for i in range(4)]),
                                                    SamplingParams(n=8))]
     assert streamed == called  # the same workload, however it is driven
@@ -118,7 +119,7 @@ def test_without_partial_rollout_the_update_drains_and_every_group_has_one_versi
 def test_generate_rows_report_the_oldest_token_version(cost_path):
     from operators.generate import Generate
 
-    generate = Generate(cost_path, engine="sim", n=4, in_flight=True, max_seqs_in_flight=64, partial_rollout=True)
+    generate = Generate(cost_path, engine=SIM, n=4, in_flight=True, max_seqs_in_flight=64, partial_rollout=True)
     batch = pd.DataFrame({"prompt": [f"question {i}" for i in range(8)], "group_uid": [f"g{i}" for i in range(8)]})
     rows = []
     try:
@@ -135,3 +136,17 @@ def test_generate_rows_report_the_oldest_token_version(cost_path):
         assert row["policy_version"] == min(tokens) and row["policy_version_max"] == max(tokens)
         assert [len(v) for v in row["token_policy_versions"]] == row["response_lengths"]
     assert ((table["policy_version"] == 0) & (table["policy_version_max"] == 1)).any()
+
+
+def test_an_engine_is_named_by_its_import_path_and_a_bad_one_says_why():
+    """The package names only hf and vllm; any other engine (here the benchmarks' simulator) is
+    'module:Class', and one that cannot be found is refused naming what to check."""
+    from benchmarks.sim_engine import SimEngine
+    from operators.engines.base import engine_class, has_in_flight_form
+
+    assert engine_class(SIM) is SimEngine and has_in_flight_form(SIM)
+    assert has_in_flight_form("vllm") and not has_in_flight_form("hf")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        engine_class("benchmarks.no_such_module:Engine")
+    with pytest.raises(ValueError, match="use 'hf', 'vllm' or 'module:Class'"):
+        make_in_flight_engine("sim", "cost.json")

@@ -1,7 +1,7 @@
 """The simulated engine and trainer inside the real DAG (benchmarks/simulate_cluster.py's parts).
 
 The DAG, policy store, staleness gate, rollout loop and Train operator are real; the engine is
-the continuous-batching cost model (`operators/engines/sim.py`) and the trainer sleeps its
+the continuous-batching cost model (`benchmarks/sim_engine.py`) and the trainer sleeps its
 modelled cost (`benchmarks/sim_trainer.py`). Checked: the cost model's timing; the in-flight
 form's pause contract (keep: frozen, decoded tokens flushed before pause returns; wait: drained,
 new requests held); then in the DAG, in flight at max_staleness 0, with partial rollout at 2
@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from benchmarks.sim_engine import ENGINE as SIM, CostModel, DecodeServer, LengthModel, SimEngine
 from operators.engines import SamplingParams, make_engine
-from operators.engines.sim import CostModel, DecodeServer, LengthModel, SimEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -63,7 +63,7 @@ def test_decode_server_batches_continuously():
 def test_sim_engine_is_reproducible_and_long_tailed(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text(json.dumps({"time_scale": 1e6, "token_unit": 16, "length": {"median": 100, "sigma": 1.0, "cap": 2000}}))
-    engine = make_engine("sim", str(path), torch_threads=1)
+    engine = make_engine(SIM, str(path), torch_threads=1)
     ids = engine.encode([f"q{i}" for i in range(64)])
     first = engine.generate(ids, SamplingParams(n=16, seed=1))
     again = engine.generate(ids, SamplingParams(n=16, seed=2))  # lengths follow the prompt, not the call seed
@@ -187,7 +187,7 @@ def run_sim(ray, tmp_path: Path, max_staleness: int, cost: CostModel, **rollout)
         "train.num_cpus": 0.1, "tracking.enabled": False, "output_dir": str(tmp_path),
     }
     cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml", [f"{k}={v}" for k, v in overrides.items()])
-    cfg.rollout.engine = "sim"  # after validation (the config knows hf/vllm), like the options below
+    cfg.rollout.engine = SIM  # after validation (the config knows hf/vllm), like the options below
     for key, value in rollout.items():
         setattr(cfg.rollout, key, value)
     prompts = pd.DataFrame({"prompt_id": [f"p{i}" for i in range(STEPS * GROUPS)],
@@ -246,7 +246,7 @@ def test_unknown_cost_model_field_is_named(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"decode_step": 0.01}))
     with pytest.raises(ValueError, match="decode_step"):
-        make_engine("sim", str(path))
+        make_engine(SIM, str(path))
 
 
 def test_sim_trainer_cost(tmp_path):

@@ -41,7 +41,24 @@ class RolloutEngine(Protocol):
         """Prompt token ids (with BOS where the tokenizer adds it)."""
 
 
+def engine_class(name: str):
+    """The class an engine name names: "module:Class" (an engine of one's own, e.g. the benchmarks'
+    simulator, benchmarks/sim_engine.py), imported here."""
+    import importlib
+
+    module, _, attribute = name.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"unknown rollout engine {name!r}; use 'hf', 'vllm' or 'module:Class'")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"rollout engine {name!r} cannot be imported ({err}); check the module path "
+                         "(importable from the working directory) and the class name") from None
+
+
 def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
+    """'hf', 'vllm', or 'module:Class' (any class with RolloutEngine's methods, built as
+    Class(model_path, **options))."""
     if name == "hf":
         from operators.engines.hf import HFEngine
 
@@ -50,14 +67,15 @@ def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
         from operators.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_path, **options)
-    elif name == "sim":  # a cost model, not a model: `model_path` is its JSON file (benchmarks/simulate_cluster.py)
-        from operators.engines.sim import SimEngine
-
-        return SimEngine(model_path, **options)
-    raise ValueError(f"unknown rollout engine {name!r}; use 'hf', 'vllm' or 'sim'")
+    return engine_class(name)(model_path, **options)
 
 
-IN_FLIGHT_ENGINES = ("vllm", "sim")  # engines with an InFlightEngine form (many requests, pause/resume)
+def has_in_flight_form(name: str) -> bool:
+    """Whether engine `name` can keep many requests in flight (InFlightEngine): vLLM, or an engine class
+    that implements `stream`."""
+    if name in ("hf", "vllm"):
+        return name == "vllm"
+    return hasattr(engine_class(name), "stream")
 
 
 def make_in_flight_engine(name: str, model_path: str, **options) -> InFlightEngine:
@@ -66,12 +84,10 @@ def make_in_flight_engine(name: str, model_path: str, **options) -> InFlightEngi
         from operators.engines.vllm_async import AsyncVLLMEngine
 
         return AsyncVLLMEngine(model_path, **options)
-    elif name == "sim":
-        from operators.engines.sim import SimEngine
-
-        return SimEngine(model_path, **options)
-    raise ValueError(f"rollout engine {name!r} has no in-flight form (call-synchronous only); "
-                     f"use one of {', '.join(IN_FLIGHT_ENGINES)} or rollout.in_flight: false")
+    if not has_in_flight_form(name):
+        raise ValueError(f"rollout engine {name!r} has no in-flight form (call-synchronous only); "
+                         "use vllm, an engine class with `stream`, or rollout.in_flight: false")
+    return engine_class(name)(model_path, **options)
 
 
 # --- in-flight engines ---------------------------------------------------------------------------

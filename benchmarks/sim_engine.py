@@ -3,10 +3,13 @@
 `SimEngine` implements both engine interfaces without a model: `RolloutEngine` (one call at
 a time: `generate`, `load_weights`) and `InFlightEngine` (many requests streamed on a
 `RolloutLoop`, pause/resume for weight updates). Its `model_path` is a JSON cost-model file
-(see `CostModel`), so the rest of the DAG needs no new plumbing: `make_engine("sim",
-"cost.json")` or `make_in_flight_engine("sim", "cost.json")`. It exists to run the real DAG
-(scheduler, staleness gate, Ray Data backpressure, rollout loop, Train) at cluster scale on
-a CPU machine; every figure it produces is a simulation.
+(see `CostModel`), so the rest of the DAG needs no new plumbing: the engines' factories take it by
+its import path, `make_engine(ENGINE, "cost.json")` or `make_in_flight_engine(ENGINE, "cost.json")`
+(ENGINE = "benchmarks.sim_engine:SimEngine", importable wherever the repository root is the
+working directory, Ray's local workers included). It exists to run the real DAG (scheduler,
+staleness gate, Ray Data backpressure, rollout loop, Train) at cluster scale on a CPU machine;
+every figure it produces is a simulation. It is benchmark code: the package (operators/) does not
+ship or name it.
 
 What it models, per engine instance (`gpus_per_instance` accelerators; one engine stands for
 `instances` of them, each new sequence going to the least loaded):
@@ -59,6 +62,8 @@ from typing import AsyncIterator
 import numpy as np
 
 from operators.engines.base import GroupSample, SamplingParams, TokenDelta
+
+ENGINE = "benchmarks.sim_engine:SimEngine"  # what rollout.engine / make_engine take to run this simulator
 
 
 @dataclass(frozen=True)
