@@ -58,6 +58,7 @@ class Train:
         first_step: int = 0,
         success_threshold: float = 1.0,
         checkpoints=None,
+        stop=None,
         prior_ledger: str | None = None,
         max_nan_skips: int | None = None,
         whiten_advantages: bool = False,
@@ -69,7 +70,9 @@ class Train:
         """`total_steps` counts from `first_step` (a resumed job's first step). `checkpoints`: what writes
         resumable checkpoints between steps, or None for none; any object with `due(steps_done, last)` and
         `write(steps_done, workers, critics, ledger, last) -> Path` (a job passes pipelines.checkpoint.StepCheckpoints;
-        this operator imports nothing of pipelines/). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
+        this operator imports nothing of pipelines/). `stop`: asked after each step, `stop.requested()`
+        True means a graceful stop: that step is checkpointed and its row says `stopped`
+        (pipelines.preemption.StopRequest). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
         the checkpoint the job resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
         (operators.advantage.whiten_over_step; REINFORCE++) before training on them. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
@@ -88,6 +91,7 @@ class Train:
         self.next_step = first_step
         self.success_threshold = success_threshold
         self.checkpoints = checkpoints
+        self.stop = stop
         self.ledger: list[pd.DataFrame] = [pd.read_parquet(prior_ledger)] if prior_ledger else []
         self.seen: set[str] = set(self.ledger[0]["group_uid"]) if self.ledger else set()
         self.duplicates = 0
@@ -205,7 +209,9 @@ class Train:
                     "stopping. Lower train.lr, check the rewards, or raise train.max_nan_skips"
                 )
         checkpoint_start = time.perf_counter()
-        checkpoint = self._maybe_checkpoint(step + 1)
+        stopping = self.stop is not None and step + 1 < self.end_step and self.stop.requested()
+        checkpoint = self._maybe_checkpoint(step + 1, force=stopping)
+        metrics["stopped"] = bool(stopping)  # a graceful stop was asked for: this step is the last one trained
         metrics["time_checkpoint"] = time.perf_counter() - checkpoint_start  # trainer blocked while it writes
         # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
         # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
@@ -229,10 +235,11 @@ class Train:
                 for critic, shard in zip(self.critics, _shard(critic_samples, len(self.critics),
                                                               equal_counts=self.mini_batches > 1))]
 
-    def _maybe_checkpoint(self, steps_done: int) -> Path | None:
-        """After `steps_done` optimizer steps: write a checkpoint if one is due (policy version = steps_done)."""
+    def _maybe_checkpoint(self, steps_done: int, force: bool = False) -> Path | None:
+        """After `steps_done` optimizer steps: write a checkpoint if one is due (policy version = steps_done),
+        or if `force` (a graceful stop)."""
         last = steps_done == self.end_step
-        if self.checkpoints is None or not self.checkpoints.due(steps_done, last):
+        if self.checkpoints is None or not (force or self.checkpoints.due(steps_done, last)):
             return None
         ledger = pd.concat(self.ledger, ignore_index=True)
         return self.checkpoints.write(steps_done, self.workers, self.critics, ledger, last)

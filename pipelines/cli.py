@@ -7,7 +7,8 @@
     streamrl eval CHECKPOINT | RUN_ID [--step N] [--data FILE] [--reward NAME ...] [--set ...]
 
 Exit codes: 0 done, 1 the job failed (the command that resumes it is printed), 2 the config
-or input is invalid or the cluster cannot take the job (nothing was started), 130 interrupted.
+or input is invalid or the cluster cannot take the job (nothing was started), 75 stopped on
+SIGTERM after a checkpoint (train.on_preempt; resumable, the command is printed), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -125,9 +126,12 @@ def _run(args, cfg) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except JobFailed as err:
-        print(f"streamrl: job {'interrupted' if err.interrupted else 'failed'}: {err}", file=sys.stderr)
+        from pipelines.preemption import PREEMPTED_EXIT
+
+        what = "stopped" if err.preempted else "interrupted" if err.interrupted else "failed"
+        print(f"streamrl: job {what}: {err}", file=sys.stderr)
         print(f"streamrl: resume with: {resume_command(args.config, args.overrides, err.run_id)}", file=sys.stderr)
-        return 130 if err.interrupted else 1
+        return PREEMPTED_EXIT if err.preempted else 130 if err.interrupted else 1
     if result.metrics.empty:
         print("streamrl: nothing left to train: the run had already reached train.steps")
         return 0

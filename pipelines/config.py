@@ -564,6 +564,17 @@ class TrainConfig(_Section):
         "then fail with the command that resumes the run. Generate and reward actors are restarted by "
         "Ray Data without a rollback."
     )
+    on_preempt: Literal["finish_step", "abandon_step"] = Field(
+        "finish_step", description="On SIGTERM to the driver (spot preemption, `ray job stop`, a Kubernetes pod's "
+        "termination): 'finish_step' trains the step in progress to its end, checkpoints it and stops; "
+        "'abandon_step' stops at once, and a resume starts from the last checkpoint. Either way the run's MLflow "
+        "records are flushed, the resume command is printed and `streamrl run` exits 75. A second SIGTERM stops "
+        "at once (exit 130). See pipelines/preemption.py."
+    )
+    preempt_grace_s: float = Field(
+        25.0, gt=0, description="Seconds a graceful stop may take from the first SIGTERM (Kubernetes kills after "
+        "terminationGracePeriodSeconds, 30 by default): past ~80% of it, a step that has not ended is abandoned."
+    )
     nan_policy: Literal["skip", "stop"] = Field(
         "skip", description="A step whose loss is NaN or inf: 'skip' leaves the weights unchanged (counted in "
         "the nonfinite_skipped metric; with several optimizer steps per train step, the ones before the "

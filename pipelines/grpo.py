@@ -48,6 +48,7 @@ from pipelines.placement import (
     ReplicaPlacement, drop_remote_args_probes, engine_bundles, map_stage, vllm_executor_backend,
 )
 from pipelines.policy_store import create_policy_store
+from pipelines.preemption import Preempted, Preemption
 from pipelines.progress import Progress
 from pipelines.resources import DAG_HELPER_CPUS, stage_options
 from pipelines.resume import (
@@ -356,9 +357,11 @@ def ray_session(cfg: JobConfig):
 class JobFailed(RuntimeError):
     """The job stopped before its last step; `run_id` resumes it (`streamrl run ... --resume RUN_ID`)."""
 
-    def __init__(self, message: str, run_id: str, resume_step: int, interrupted: bool = False):
+    def __init__(self, message: str, run_id: str, resume_step: int, interrupted: bool = False,
+                 preempted: bool = False):
         super().__init__(message)
         self.run_id, self.resume_step, self.interrupted = run_id, resume_step, interrupted
+        self.preempted = preempted  # a graceful stop on SIGTERM (pipelines/preemption.py)
 
 
 def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | None = None) -> JobResult:
@@ -408,14 +411,17 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         tracker.log_dataset(held_out[0], held_out[1], "eval")
     rows, status, restarts, placement, loads = [], "FAILED", 0, [], []
     evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id)
+    preemption = Preemption(cfg.train.on_preempt, cfg.train.preempt_grace_s, echo)
     try:
-        with ray_session(cfg):
+        # After Ray's start: ray.init sets a SIGTERM handler of its own (sys.exit), which ours replaces.
+        with ray_session(cfg), preemption:
             check_object_store(cfg, model_path)  # the cluster's real object stores, before any actor starts
             progress = Progress(cfg.train.steps, echo, first_step=start)
+            stop = preemption.stop_request()
             while True:
                 try:
                     placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
-                                             progress, evaluation, loads)
+                                             progress, evaluation, loads, stop)
                     break
                 except Exception as err:
                     if not is_process_death(err) or restarts >= cfg.train.max_restarts:
@@ -442,9 +448,20 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                      f"median ({summary['job_weight_pause_s_max'] * 1e3:.0f} ms max); pull + prepare "
                      f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on")
         status = "FINISHED"
+    except Preempted as stopped:
+        status = "KILLED"
+        preemption.disarm()
+        tracker.set_tags({"stopped_by": "preemption"})
+        step = _resume_step(run_dir)
+        raise JobFailed(f"{stopped} (the last checkpoint is at step {step})", run_id, step, True, True) from None
     except KeyboardInterrupt:
         status = "KILLED"
-        raise JobFailed(f"interrupted at step {_resume_step(run_dir)}", run_id, _resume_step(run_dir), True) from None
+        step = _resume_step(run_dir)
+        if preemption.grace_expired:  # a graceful stop that ran out of time: still a preemption
+            tracker.set_tags({"stopped_by": "preemption"})
+            raise JobFailed(f"stopped on SIGTERM before the step in progress ended (train.preempt_grace_s); "
+                            f"the last checkpoint is at step {step}", run_id, step, True, True) from None
+        raise JobFailed(f"interrupted at step {step}", run_id, step, True) from None
     except ConfigError:
         raise
     except Exception as err:
@@ -452,7 +469,8 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         summary = str(err) if isinstance(err, AttemptFailed) else describe_failure(err)
         raise JobFailed(f"{summary} (the last checkpoint is at step {step})", run_id, step) from err
     finally:
-        tracker.close(status)
+        preemption.disarm()
+        tracker.close(status, timeout_s=preemption.remaining_s() if preemption.requested_at is not None else None)
     final = run_dir.latest_valid(echo, hashes=False)
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
     return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
@@ -535,7 +553,7 @@ class EvalPlan:
 
 
 def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress,
-                 evaluation: EvalPlan, loads: list[dict]) -> list[dict]:
+                 evaluation: EvalPlan, loads: list[dict], stop=None) -> list[dict]:
     """One try: a fresh policy store, trainer group and DAG (and evaluator), from `checkpoint`
     (None: step 0). Returns where the trainer ranks ran."""
     first = checkpoint.step if checkpoint else 0
@@ -561,7 +579,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                                         keep=cfg.train.checkpoint_keep, hf_export=cfg.train.checkpoint_hf_export,
                                         run_info=run_info),
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
-            max_nan_skips=cfg.train.max_nan_skips,
+            max_nan_skips=cfg.train.max_nan_skips, stop=stop,
         )
         ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
                               first_step=first, checkpoint_options=options, critics=critics, replicas=replicas)
@@ -580,6 +598,9 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                 rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
                 if evaluator is not None:
                     evaluator.poll()
+                if row.get("stopped"):  # a graceful stop: this step is trained and checkpointed
+                    raise Preempted(f"stopped on SIGTERM after step {int(row['step']) + 1}, which was "
+                                    "trained and checkpointed", finished_step=True)
             if evaluator is not None:  # before the trainer group stops: rank 0 owns the retained weights
                 evaluator.finish()
         except Exception as err:  # keep its text, drop its frames (see AttemptFailed)

@@ -41,7 +41,7 @@ import pandas as pd
 from pipelines.config import BUILTIN_DATASET_PREFIX, JobConfig, flatten
 
 PACKAGES = ("torch", "ray", "deepspeed", "mlflow", "transformers", "pyarrow", "pydantic", "streamrl")
-NON_METRIC_COLUMNS = {"step", "rollouts_parquet"}
+NON_METRIC_COLUMNS = {"step", "rollouts_parquet", "stopped"}  # stopped: the last step of a graceful stop
 CODE_VERSION_ENV = "STREAMRL_CODE_VERSION"
 # The line a job prints when its run starts; `streamrl submit` finds it in the job's logs.
 RUN_ANNOUNCEMENT = re.compile(r"^streamrl: MLflow run (?P<run_id>\w+) (?P<url>\S+)", re.MULTILINE)
@@ -365,14 +365,15 @@ class Tracker:
             return self._cond.wait_for(lambda: self._delivered >= target or self._stop, timeout=timeout_s) and \
                 self._delivered >= target
 
-    def close(self, status: str = "FINISHED") -> None:
-        """Deliver what is buffered (up to tracking.flush_timeout_s), then end the run. Never
-        raises: the job's result must not depend on the tracking server."""
+    def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> None:
+        """Deliver what is buffered (up to tracking.flush_timeout_s, or `timeout_s` when shorter: a
+        graceful stop's grace period), then end the run. Never raises: the job's result must not depend
+        on the tracking server; what is not delivered stays in the spool for a resume."""
         if self._closed:
             return
         self._closed = True
         started = time.monotonic()
-        drained = self.flush(self.flush_timeout_s)
+        drained = self.flush(self.flush_timeout_s if timeout_s is None else min(self.flush_timeout_s, timeout_s))
         self._stop_writer()
         if not drained:
             self._say(
@@ -513,4 +514,4 @@ class NullTracker:
     def flush(self, timeout_s: float | None = None) -> bool:
         return True
 
-    def close(self, status: str = "FINISHED") -> None: ...
+    def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> None: ...

@@ -26,6 +26,7 @@ MAY_CHANGE = (
     "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
     "reward.placement", "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
+    "train.on_preempt", "train.preempt_grace_s", "train.weight_bucket_mb", "rollout.vllm.tensor_parallel_size",
     "eval",  # held-out evaluation reads the policy, never changes it
     "reference.num_actors", "reference.num_cpus", "reference.num_gpus", "reference.resources",
     "reference.torch_threads", "reference.micro_batch_tokens",

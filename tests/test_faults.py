@@ -272,3 +272,53 @@ def test_hanging_reward_and_nonfinite_loss_midjob(tmp_path):
     assert timeouts[hung] >= N and all(v == 0 for step, v in timeouts.items() if step != hung), timeouts
     weights = load_file(str(CheckpointDir.of_run(out, run_id).latest_valid().path / "model.safetensors"))
     assert all(np.isfinite(array).all() for array in weights.values())
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_the_resume_finishes(ray_cluster, tmp_path):
+    """A preemption as Kubernetes or `ray job stop` sends it: SIGTERM to the driver mid-job. The step in
+    progress finishes and is checkpointed off the checkpoint_every schedule, the MLflow run is ended
+    KILLED (stopped_by: preemption), the resume command is printed and the exit code is 75; the resume
+    trains the rest, every step is logged once in MLflow, and the ledger holds every group exactly once."""
+    from pipelines.preemption import PREEMPTED_EXIT
+
+    out = tmp_path / "preempted"
+    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
+            *[arg for item in overrides(out, **{"train.checkpoint_every": 5}) for arg in ("--set", item)]]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, start_new_session=True)
+    seen = []
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if re.match(r"step\s+3/", line):
+                driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=120) == PREEMPTED_EXIT, "".join(seen)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        time.sleep(2)
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = "".join(seen)
+    run_id = re.search(r"MLflow run (\w+)", text).group(1)
+    match = re.search(r"stopped on SIGTERM after step (\d+), which was trained and checkpointed", text)
+    assert match and "resume with:" in text and "--resume" in text, text[-3000:]
+    stopped_at = int(match.group(1))
+    assert 3 <= stopped_at < STEPS
+    checkpoint = CheckpointDir.of_run(out, run_id).latest_valid()
+    assert checkpoint.step == stopped_at  # written at the stop, whatever checkpoint_every (5) says
+    reported = [int(s) for s in re.findall(r"^step\s+(\d+)/", text, re.MULTILINE)]
+    assert reported[-1] == stopped_at  # nothing was trained after the checkpoint
+    mlflow.set_tracking_uri(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    run = mlflow.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["stopped_by"] == "preemption"
+    resumed = subprocess.run(argv + ["--resume", "latest"], cwd=ROOT, capture_output=True, text=True, env=env,
+                             timeout=600, start_new_session=True)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"from checkpoint {checkpoint.path} (step {stopped_at})" in resumed.stdout
+    history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward_mean")
+    assert sorted(m.step for m in history) == list(range(STEPS))  # each step once: none trained twice
+    assert_exactly_once(final_ledger(out, run_id), max_staleness=1)
