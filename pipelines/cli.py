@@ -132,8 +132,8 @@ def _run(args, cfg) -> int:
         print(f"streamrl: job {what}: {err}", file=sys.stderr)
         print(f"streamrl: resume with: {resume_command(args.config, args.overrides, err.run_id)}", file=sys.stderr)
         return PREEMPTED_EXIT if err.preempted else 130 if err.interrupted else 1
-    if result.metrics.empty:
-        print("streamrl: nothing left to train: the run had already reached train.steps")
+    if result.metrics.empty:  # a resumed run has at least one step left (a finished one is refused)
+        print("streamrl: nothing was trained")
         return 0
     first, last = result.metrics.head(10), result.metrics.tail(10)
     print(

@@ -83,6 +83,10 @@ def check_can_resume(
     if checkpoint is not None:
         if checkpoint.step > cfg.train.steps:
             problems.append(("train.steps", f"{cfg.train.steps} is below the checkpoint's step {checkpoint.step}"))
+        elif checkpoint.step == cfg.train.steps:
+            problems.append(("--resume", f"run {run_dir.root.name} is finished: its last checkpoint is at step "
+                                         f"{checkpoint.step} = train.steps, so there is nothing to resume; raise "
+                                         "train.steps to train it further, or start a new run without --resume"))
         expected = pd.concat(schedule, ignore_index=True)
         expected = expected[expected["train_step"] < checkpoint.step].set_index("group_uid")["prompt_id"]
         ledger = checkpoint.ledger().set_index("group_uid")["prompt_id"]

@@ -183,6 +183,13 @@ def test_resume_refuses_a_different_config_or_dataset(tmp_path):
     prompts_1, _ = load_prompts(reshuffled.data)
     with pytest.raises(ConfigError, match="ledger"):
         check_can_resume(cfg, store, checkpoint, schedule_groups(prompts_1.iloc[::-1], cfg), "digest-1")
+    # A finished run (its last checkpoint at train.steps) is refused: there is nothing to resume.
+    done = load_config(ROOT / "configs" / "tiny_grpo.yaml", ["train.steps=2", "data.num_prompts=64",
+                                                              f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        check_can_resume(done, store, checkpoint, schedule, "digest-1")
+    (field, message), = [p for p in err.value.problems if p[0] == "--resume"]
+    assert "is finished" in message and "raise train.steps" in message
 
 
 def test_process_deaths_are_told_apart_from_bugs():

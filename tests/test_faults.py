@@ -93,6 +93,28 @@ class KillAt:
             self.actions.pop(int(match.group(1)))()
 
 
+def signal_driver_at_step(argv: list[str], env: dict, step: int, signum: int) -> tuple[int, str]:
+    """`streamrl run` in its own process, as a user runs it, sent `signum` once it reports `step`: its exit
+    code and everything it printed. Whatever is left of its local Ray cluster is killed afterwards."""
+    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, start_new_session=True)
+    seen = []
+    try:
+        for line in driver.stdout:  # read to the end: the driver's last words (a resume command) included
+            seen.append(line)
+            if re.match(rf"step\s+{step}/", line):
+                driver.send_signal(signum)
+        return driver.wait(timeout=120), "".join(seen)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        time.sleep(5)  # Ray's reaper takes the dead driver's local cluster down; clear what is left
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def sigkill(pids: list[int]) -> None:
     assert pids, "nothing to kill"
     for pid in pids:
@@ -111,25 +133,9 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
     argv = [sys.executable, "-m", "pipelines.cli", "run", f"configs/{config_file}",
             *[arg for item in overrides(out, **{"train.max_staleness": 0}) for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, start_new_session=True)
-    seen = []
-    try:
-        for line in driver.stdout:
-            seen.append(line)
-            if re.match(rf"step\s+{kill_after}/", line):
-                driver.send_signal(signal.SIGKILL)
-                break
-        assert driver.wait(timeout=60) == -signal.SIGKILL, "".join(seen)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-        time.sleep(5)  # Ray's reaper takes the dead driver's local cluster down; clear what is left
-        try:
-            os.killpg(driver.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    run_id = re.search(r"MLflow run (\w+)", "".join(seen)).group(1)
+    code, text = signal_driver_at_step(argv, env, kill_after, signal.SIGKILL)
+    assert code == -signal.SIGKILL, text
+    run_id = re.search(r"MLflow run (\w+)", text).group(1)
     resumed = subprocess.run(argv + ["--resume", "latest"], cwd=ROOT, capture_output=True, text=True, env=env,
                              timeout=600, start_new_session=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -285,24 +291,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_resume_finishes(ray_clust
     argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
             *[arg for item in overrides(out, **{"train.checkpoint_every": 5}) for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, start_new_session=True)
-    seen = []
-    try:
-        for line in driver.stdout:
-            seen.append(line)
-            if re.match(r"step\s+3/", line):
-                driver.send_signal(signal.SIGTERM)
-        assert driver.wait(timeout=120) == PREEMPTED_EXIT, "".join(seen)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-        time.sleep(2)
-        try:
-            os.killpg(driver.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    text = "".join(seen)
+    code, text = signal_driver_at_step(argv, env, 3, signal.SIGTERM)
+    assert code == PREEMPTED_EXIT, text[-3000:]
     run_id = re.search(r"MLflow run (\w+)", text).group(1)
     match = re.search(r"stopped on SIGTERM after step (\d+), which was trained and checkpointed", text)
     assert match and "resume with:" in text and "--resume" in text, text[-3000:]
