@@ -91,7 +91,7 @@ class Train:
         self.next_step = first_step
         self.success_threshold = success_threshold
         self.checkpoints = checkpoints
-        self.stop = stop
+        self.stop, self.stopped = stop, False
         self.ledger: list[pd.DataFrame] = [pd.read_parquet(prior_ledger)] if prior_ledger else []
         self.seen: set[str] = set(self.ledger[0]["group_uid"]) if self.ledger else set()
         self.duplicates = 0
@@ -134,9 +134,10 @@ class Train:
 
     def _pop_ready(self, peek: bool = False):
         """The next step's number and rows (schedule order) if all its groups are in, else None; with
-        `peek`, only whether they are."""
+        `peek`, only whether they are. None for good after a graceful stop: nothing past its checkpoint
+        is trained (the job is tearing the DAG down meanwhile)."""
         with self._state:
-            if len(self.buffer.get(self.next_step, ())) < self.generated_per_step:
+            if self.stopped or len(self.buffer.get(self.next_step, ())) < self.generated_per_step:
                 return None
             if peek:
                 return True
@@ -211,6 +212,7 @@ class Train:
         checkpoint_start = time.perf_counter()
         stopping = self.stop is not None and step + 1 < self.end_step and self.stop.requested()
         checkpoint = self._maybe_checkpoint(step + 1, force=stopping)
+        self.stopped = stopping
         metrics["stopped"] = bool(stopping)  # a graceful stop was asked for: this step is the last one trained
         metrics["time_checkpoint"] = time.perf_counter() - checkpoint_start  # trainer blocked while it writes
         # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
