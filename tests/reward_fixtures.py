@@ -57,3 +57,14 @@ def troublemaker(completions, prompt_id, answer, **kwargs):
             first[pid] = index
             scores[index] = 1e308
     return scores
+
+
+def slow_exact(completions, answer, **kwargs):
+    """arithmetic_exact, a quarter of a second late: paces a fault test's job so that a kill decided
+    on the step the driver reports lands while that step's neighbours are still being made."""
+    import time
+
+    from operators.reward import arithmetic_exact
+
+    time.sleep(0.25)
+    return arithmetic_exact(completions, answer=answer, **kwargs)

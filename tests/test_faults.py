@@ -184,6 +184,10 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
 
     def kill(kind: str, class_part: str) -> None:
         pids = actor_pids(class_part)
+        if not pids:  # say what there was instead
+            from ray._private import state
+
+            print("no live actor of", class_part, [(a["State"], a["ActorClassName"]) for a in state.actors().values()])
         killed.setdefault(kind, []).extend(pids)
         sigkill(pids)
 
@@ -216,8 +220,14 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
         echo(line)
         on_step(line)
 
-    # reward.placement stage: reward actors of their own, to kill (tiny_grpo.yaml scores in the generate actors)
-    cfg = config(tmp_path, **{"train.max_staleness": 1, "train.max_restarts": 1, "reward.placement": "stage"})
+    # reward.placement stage: reward actors of their own, to kill (tiny_grpo.yaml scores in the generate actors).
+    # A reward a quarter of a second slow paces the job: unpaced, the tiny loop trains several steps between
+    # the driver's report of a step and the kill it triggers, so a restarted attempt could finish generating
+    # (its reward actors gone) before the next kill, or a rank die after a checkpoint whose step's row it
+    # had not delivered yet. (tests/ is importable as a namespace package from the repository root, which is
+    # the working directory of the test cluster's workers.)
+    cfg = config(tmp_path, **{"train.max_staleness": 1, "train.max_restarts": 1, "reward.placement": "stage",
+                              "reward.functions": "[{name: 'tests.reward_fixtures:slow_exact'}]"})
     with pytest.raises(JobFailed) as failure:
         run_job(cfg, echo=log_and_kill)
     assert len(killed["generate"]) == 1 and len(killed["reward"]) == 1 and len(killed["rank"]) == 2, killed
