@@ -19,6 +19,7 @@ def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
         problems, resolved = dataset_problems(data.path, data.prompt_column, data.id_column, where)
         lines += problems
         data.path = resolved
+    lines += tensor_parallel_problems(cfg)
     if cfg.ray.cluster is not None:
         from pipelines.memory import trainer_memory_problem
         from pipelines.resources import declared_nodes, plan_problems
@@ -27,6 +28,26 @@ def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
         memory = trainer_memory_problem(cfg, cfg.model.path)
         lines += [memory] if memory else []
     return [tuple(line.split(": ", 1)) for line in lines]
+
+
+def tensor_parallel_problems(cfg: JobConfig) -> list[str]:
+    """vLLM splits attention heads over the tensor-parallel ranks: the model's head count must divide by
+    rollout.vllm.tensor_parallel_size, and its key/value heads must divide by it or it by them (replicated).
+    Read from the model folder's config.json; nothing to say when it cannot be read."""
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    if tp == 1 or cfg.rollout.engine != "vllm":
+        return []
+    from pipelines.memory import model_shape
+
+    shape = model_shape(cfg.model.path)
+    if shape is None:
+        return []
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    fits = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 if d <= kv else d % kv == 0)]
+    if tp in fits:
+        return []
+    return [f"rollout.vllm.tensor_parallel_size: {tp} cannot split the model's {heads} attention heads "
+            f"({kv} key/value heads) evenly; use one of {fits} (and rollout.num_gpus to match)"]
 
 
 def dataset_problems(path: str, prompt_column: str, id_column: str | None, where: str) -> tuple[list[str], str]:

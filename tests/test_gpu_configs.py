@@ -130,3 +130,16 @@ def test_plan_of_the_tiny_job_on_two_cpu_nodes():
     (problem,) = plan_problems(load_config(None, ["rollout.resources={gpu_node: 1}"]), nodes)
     assert problem.startswith("generate needs 1 x {CPU: 0.5, gpu_node: 1} but only 0 fit")
     assert nodes[0].free == {"CPU": 2}  # the caller's nodes are not consumed
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="tensor parallel is a vLLM setting")
+def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_refused(stand_in_folders):
+    """Qwen2.5-1.5B has 12 attention heads and 2 key/value heads: TP 4 splits them, TP 8 cannot."""
+    tp = ["rollout.vllm.tensor_parallel_size={}", "rollout.num_gpus={}", "rollout.num_actors=1"]
+    fits = load_config(GPU_DIR / "gpu_8.yaml", stand_in_folders["1.5B"] + [s.format(4) for s in tp])
+    assert fits.rollout.vllm.tensor_parallel_size == 4
+    with pytest.raises(ConfigError) as refused:
+        load_config(GPU_DIR / "gpu_8.yaml", stand_in_folders["1.5B"] + [s.format(8) for s in tp])
+    messages = dict(refused.value.problems)
+    assert "12 attention heads" in messages["rollout.vllm.tensor_parallel_size"]
+    assert "use one of [1, 2, 4, 6, 12]" in messages["rollout.vllm.tensor_parallel_size"]  # 3: not over 2 kv heads
