@@ -48,8 +48,6 @@ DTYPES = {
     "int32": ("I32", np.int32, 4),
     "bool": ("BOOL", np.bool_, 1),
 }
-NUMPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.float64): "float64",
-                np.dtype(np.int64): "int64", np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool"}
 
 
 def dtype_bytes(dtype: str) -> int:
