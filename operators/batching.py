@@ -3,6 +3,12 @@ reference model's chunks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 def length_sorted_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices sorted by length, cut so that no chunk pads to more than `budget` tokens (chunk size x
@@ -57,3 +63,92 @@ def balanced_shards(lengths: list[int], parts: int, equal_counts: bool = False) 
             shards[rank].append(index)
             loads[rank] += lengths[index]
     return [sorted(shard) for shard in shards]
+
+
+# Per-response-token columns a TokenBatch can carry, in shifted (next-token) coordinates [B, L-1].
+TOKEN_COLUMNS = ("behavior_logprobs", "advantages", "proximal_logprobs", "ref_logprobs", "returns", "old_values")
+
+
+@dataclass
+class TokenBatch:
+    """One padded micro-batch of prompt + response sequences, as the trainer's losses read it.
+
+    Sequences are right-padded to the longest, L tokens. Per-token columns sit in shifted (next-token)
+    coordinates: position t holds the value for predicting token t + 1, so `mask` marks the positions
+    whose next token is a response token. A column a sample set lacks is None. Shapes: B rows, L tokens.
+    """
+
+    input_ids: torch.Tensor  # [B, L] long: prompt + response, then pad_id
+    attention: torch.Tensor  # [B, L] long: 1 on real tokens
+    mask: torch.Tensor  # [B, L-1] float: 1 where a response token is predicted (the trained positions)
+    staleness: torch.Tensor  # [B] long: train step - policy version of the sample (0 when not given)
+    behavior_logprobs: torch.Tensor | None = None  # [B, L-1]: the engine's log-probs (policy)
+    advantages: torch.Tensor | None = None  # [B, L-1]: a response's advantage, or one per token (GAE)
+    proximal_logprobs: torch.Tensor | None = None  # [B, L-1]: pi_prox, fixed before several updates
+    ref_logprobs: torch.Tensor | None = None  # [B, L-1]: the reference model's (KL penalty)
+    returns: torch.Tensor | None = None  # [B, L-1]: GAE return targets (critic)
+    old_values: torch.Tensor | None = None  # [B, L-1]: the values the Value stage predicted (critic)
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def require(self, *columns: str) -> tuple:
+        """The named per-token columns, raising a clear error for one the samples did not carry."""
+        missing = [name for name in columns if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"the batch has no {', '.join(missing)} column (one value per response, or one per "
+                             "response token, on every sample)")
+        return tuple(getattr(self, name) for name in columns)
+
+    def at_response(self, values: torch.Tensor, row: int) -> torch.Tensor:
+        """Row `row` of a [B, L-1] tensor at its response tokens only: [response length]."""
+        return values[row][self.mask[row].bool()]
+
+    def to(self, device) -> TokenBatch:
+        """Every tensor on `device` (copies issued non-blocking)."""
+        return TokenBatch(**{name: None if value is None else value.to(device, non_blocking=True)
+                             for name, value in vars(self).items()})
+
+
+def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional: tuple[str, ...] = (),
+                device=None) -> TokenBatch:
+    """A TokenBatch of `samples` (columns of equal length: prompt_token_ids, response_token_ids, and
+    the per-token columns): the `required` TOKEN_COLUMNS, and each `optional` one when every sample
+    carries it. A per-token value is one float per response (broadcast over its tokens) or one per
+    response token; float32, overflowing to +-inf (the trainer's NaN guard then sees it) rather than
+    raising."""
+    import numpy as np
+    import torch
+
+    prompts, responses = samples["prompt_token_ids"], samples["response_token_ids"]
+    sequences = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    rows, width = len(sequences), max(len(seq) for seq in sequences)
+    unknown = [name for name in (*required, *optional) if name not in TOKEN_COLUMNS]
+    if unknown:
+        raise ValueError(f"{unknown} are not TokenBatch columns; they are {list(TOKEN_COLUMNS)}")
+    columns = list(required) + [name for name in optional
+                                if samples.get(name) is not None and all(v is not None for v in samples[name])]
+    missing = [name for name in required if samples.get(name) is None]
+    if missing:
+        raise ValueError(f"samples have no {', '.join(missing)} column")
+    per_token = {name: torch.zeros((rows, width - 1)) for name in columns}  # [B, L-1] each
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)  # [B, L]
+    attention = torch.zeros((rows, width), dtype=torch.long)  # [B, L]
+    mask = torch.zeros((rows, width - 1))  # [B, L-1]
+    for row, seq in enumerate(sequences):
+        prompt_len, response_len = len(prompts[row]), len(responses[row])
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention[row, : len(seq)] = 1
+        span = slice(prompt_len - 1, prompt_len - 1 + response_len)
+        mask[row, span] = 1.0
+        for name in columns:
+            with np.errstate(over="ignore"):
+                values = np.asarray(samples[name][row], dtype=np.float64).astype(np.float32)
+            if values.ndim and values.shape[0] != response_len:
+                raise ValueError(f"sample {row}: {values.shape[0]} {name} for {response_len} response tokens")
+            per_token[name][row, span] = torch.from_numpy(values) if values.ndim else float(values)
+    staleness = samples.get("staleness")
+    staleness = torch.tensor([int(s) for s in (staleness if staleness is not None else [0] * rows)])  # [B]
+    batch = TokenBatch(input_ids=input_ids, attention=attention, mask=mask, staleness=staleness, **per_token)
+    return batch.to(device) if device is not None else batch

@@ -26,15 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from operators.batching import TokenBatch, token_batch
 from operators.correction import CorrectionSettings
 from operators.devices import dist_backend, local_device
-
-
-def _as_float32(values) -> np.ndarray:
-    """float32 with overflow to +-inf (torch refuses such casts with an error); a non-finite value
-    then shows up in the loss, which the NaN guard handles instead of the step crashing."""
-    with np.errstate(over="ignore"):
-        return np.asarray(values, dtype=np.float64).astype(np.float32)
 
 
 def _ratio_range(log_ratio, mask) -> tuple[float, float]:
@@ -146,6 +140,8 @@ class TrainWorker:
     ROLE, SECTION = "policy", "train"
     # Per-token sample columns every sample must have (one float per response, or one per token).
     PER_TOKEN = ("behavior_logprobs", "advantages")
+    # Per-token columns used when every sample of a micro-batch carries them.
+    OPTIONAL_PER_TOKEN = ("proximal_logprobs", "ref_logprobs")
 
     def __init__(
         self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str | None
@@ -254,37 +250,10 @@ class TrainWorker:
 
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def _batch_tensors(self, samples: dict) -> dict:
-        """Right-padded [B, L] inputs; per-token values in shifted (next-token) coordinates [B, L-1].
-
-        An advantage is one float per response (broadcast over its tokens) or one per response
-        token (GAE). Optional per-token columns: proximal_logprobs, ref_logprobs."""
-        torch = self.torch
-        sequences = [list(p) + list(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
-        width = max(len(seq) for seq in sequences)
-        batch = len(sequences)
-        per_token = list(self.PER_TOKEN) + [  # optional columns, when every sample has them
-            key for key in ("proximal_logprobs", "ref_logprobs")
-            if samples.get(key) is not None and all(value is not None for value in samples[key])]
-        out = {
-            "input_ids": torch.full((batch, width), self.pad_id, dtype=torch.long),  # [B, L]
-            "attention": torch.zeros((batch, width), dtype=torch.long),  # [B, L]
-            "mask": torch.zeros((batch, width - 1)),  # [B, L-1]: 1 where a response token is predicted
-            **{key: torch.zeros((batch, width - 1)) for key in per_token},  # [B, L-1] each
-            "staleness": torch.tensor([int(s) for s in samples.get("staleness", [0] * batch)]),  # [B]
-        }
-        for row, seq in enumerate(sequences):
-            prompt_len, response_len = len(samples["prompt_token_ids"][row]), len(samples["response_token_ids"][row])
-            out["input_ids"][row, : len(seq)] = torch.tensor(seq)
-            out["attention"][row, : len(seq)] = 1
-            span = slice(prompt_len - 1, prompt_len - 1 + response_len)
-            out["mask"][row, span] = 1.0
-            for key in per_token:
-                values = _as_float32(samples[key][row])
-                if values.ndim and values.shape[0] != response_len:
-                    raise ValueError(f"sample {row}: {values.shape[0]} {key} for {response_len} response tokens")
-                out[key][row, span] = torch.from_numpy(values) if values.ndim else float(values)
-        return {key: tensor.to(self.device, non_blocking=True) for key, tensor in out.items()}
+    def _batch_tensors(self, samples: dict) -> TokenBatch:
+        """The samples as a TokenBatch on this rank's device, with this role's PER_TOKEN columns and
+        those of its OPTIONAL_PER_TOKEN that every sample has."""
+        return token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device)
 
     def _aggregate(self, per_token_loss, mask, global_tokens: int, global_sequences: int, share: float = 1.0):
         """Aggregate so that the DeepSpeed gradient average over ranks equals the global aggregate.
@@ -356,7 +325,7 @@ class TrainWorker:
     def _subset(self, samples: dict, indices: list[int]) -> dict:
         return {key: [values[i] for i in indices] if values is not None else None for key, values in samples.items()}
 
-    def _forward(self, batch: dict, entropy_grad: bool = False):
+    def _forward(self, batch: TokenBatch, entropy_grad: bool = False):
         """Log-probs [B, L-1] of the batch's tokens under the trainer, at the sampling temperature, and
         the entropy [B, L-1] of each next-token distribution (with a graph only when `entropy_grad`).
 
@@ -366,7 +335,7 @@ class TrainWorker:
         from operators.losses import chunked_token_logprobs, entropy_from_logits, token_logprobs
 
         torch, temperature, chunk = self.torch, self.settings.temperature, self.settings.logits_chunk_tokens
-        ids, attention = batch["input_ids"], batch["attention"]
+        ids, attention = batch.input_ids, batch.attention
         targets = ids[:, 1:]  # [B, L-1]
         rows, positions = targets.shape
         if self._lm_head is not None and chunk and rows * positions > chunk:
@@ -389,7 +358,7 @@ class TrainWorker:
             for indices, batch, _ in self._micro_batch_tensors(samples):  # an empty one still runs its forward
                 logprobs, _ = self._forward(batch)
                 for row, index in enumerate(indices):
-                    proximal[index] = logprobs[row][batch["mask"][row].bool()].cpu().numpy().astype(np.float64)
+                    proximal[index] = batch.at_response(logprobs, row).cpu().numpy().astype(np.float64)
         return proximal
 
     def _global_counts(self, parts: list[list[int]], samples: dict) -> list[tuple[float, float]]:
@@ -425,22 +394,23 @@ class TrainWorker:
         loss_fn = POLICY_LOSSES.get(settings.policy_loss)
         accepted = inspect.signature(loss_fn).parameters
         for indices, batch, last in self._micro_batch_tensors(part):
-            mask = batch["mask"]  # [B, L-1]
+            mask = batch.mask  # [B, L-1]
+            behavior, advantages = batch.require("behavior_logprobs", "advantages")  # [B, L-1] each
             logprobs, entropy = self._forward(batch, entropy_grad=bool(settings.entropy_coef))  # [B, L-1] each
             # pi_prox: fixed before the first of several updates, else the current policy (no extra forward).
-            proximal = batch.get("proximal_logprobs", logprobs.detach())  # [B, L-1]
+            proximal = batch.proximal_logprobs if batch.proximal_logprobs is not None else logprobs.detach()  # [B, L-1]
             options = {"proximal_logprobs": proximal, "clip_eps_low": settings.clip_eps_low,
                        "clip_eps_high": settings.clip_eps_high, "clip_ratio_c": settings.clip_ratio_c}
-            per_token_loss, loss_stats = loss_fn(logprobs, batch["behavior_logprobs"], batch["advantages"], mask,
+            per_token_loss, loss_stats = loss_fn(logprobs, behavior, advantages, mask,
                                                  **{k: v for k, v in options.items() if k in accepted})
-            log_rho = behavior_log_ratio(proximal, batch["behavior_logprobs"], mask)  # [B, L-1]
+            log_rho = behavior_log_ratio(proximal, behavior, mask)  # [B, L-1]
             factor, truncated, masked = correction_factors(log_rho, mask, settings.correction)  # [B, L-1] each
             per_token_loss = per_token_loss * factor - settings.entropy_coef * entropy  # [B, L-1]
             tokens = float(mask.sum().item())
-            if "ref_logprobs" in batch:
-                kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch["ref_logprobs"])  # [B, L-1]
+            if batch.ref_logprobs is not None:
+                kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch.ref_logprobs)  # [B, L-1]
                 per_token_loss = per_token_loss + settings.kl_coef * kl
-                loss_stats["kl_ref"] = float((kl_k3(logprobs.detach(), batch["ref_logprobs"]) * mask).sum()) / max(tokens, 1)
+                loss_stats["kl_ref"] = float((kl_k3(logprobs.detach(), batch.ref_logprobs) * mask).sum()) / max(tokens, 1)
             part_valid = sum(1 for i in indices if len(part["response_token_ids"][i]))
             loss = self._aggregate(per_token_loss, mask, global_tokens, global_sequences,
                                    share=part_valid * self.world_size / max(valid_sequences, 1))
@@ -448,11 +418,11 @@ class TrainWorker:
                 yield loss * 0.0, last
                 continue
             if first_epoch:  # pi_prox is fixed for the step: measure the mismatch once per sample
-                mismatch.append(mismatch_sums(log_rho, mask, batch["staleness"], truncated, masked))
+                mismatch.append(mismatch_sums(log_rho, mask, batch.staleness, truncated, masked))
             loss_stats["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1)
             # pi_theta / pi_behave, whatever the loss's own ratio is centred on
             loss_stats["ratio_behavior_min"], loss_stats["ratio_behavior_max"] = _ratio_range(
-                logprobs.detach() - batch["behavior_logprobs"], mask)
+                logprobs.detach() - behavior, mask)
             stats.add(loss_stats, tokens)
             yield loss, last
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 
+from operators.batching import TokenBatch
 from operators.train_worker import TrainerSettings, TrainWorker, _StatSums
 
 
 class ValueWorker(TrainWorker):
     ROLE, SECTION = "critic", "critic"
-    PER_TOKEN = ("returns", "old_values")
+    PER_TOKEN, OPTIONAL_PER_TOKEN = ("returns", "old_values"), ()
 
     def __init__(self, rank: int, world_size: int, master_port: int, settings: TrainerSettings,
                  value_store: str | None, value_clip: float = 0.2):
@@ -46,9 +47,9 @@ class ValueWorker(TrainWorker):
             trust_remote_code=settings.trust_remote_code,
         )
 
-    def values(self, batch: dict):
+    def values(self, batch: TokenBatch):
         """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask)."""
-        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
+        return self.engine(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1, 0].float()
 
     def _loss(self, part: dict, global_tokens: float, stats: _StatSums):
         """Yield (loss, last) per micro-batch: the clipped value loss summed over its tokens, divided by this
@@ -57,9 +58,10 @@ class ValueWorker(TrainWorker):
 
         loss_fn = VALUE_LOSSES.get("clipped")
         for indices, batch, last in self._micro_batch_tensors(part):  # [] pairs up with other ranks' passes
-            mask = batch["mask"]  # [B, L-1]
+            mask = batch.mask  # [B, L-1]
             values = self.values(batch)  # [B, L-1]
-            per_token, loss_stats = loss_fn(values, batch["old_values"], batch["returns"], mask,
+            old_values, returns = batch.require("old_values", "returns")  # [B, L-1] each
+            per_token, loss_stats = loss_fn(values, old_values, returns, mask,
                                             value_clip=self.value_clip)  # [B, L-1]
             tokens = float(mask.sum().item())
             loss = per_token.sum() / max(global_tokens / self.world_size, 1.0)

@@ -161,7 +161,7 @@ def test_critic_learns_its_targets_and_the_value_operator_reads_the_same_values(
     with torch.no_grad():  # the rank's own forward, one sample at a time (no padding at all)
         for index, values in enumerate(flat):
             batch = critic._batch_tensors({key: [samples[key][index]] for key in samples})
-            expected = critic.values(batch)[0][batch["mask"][0].bool()]
+            expected = batch.at_response(critic.values(batch), 0)
             np.testing.assert_allclose(values, expected.numpy(), rtol=1e-4, atol=1e-5)
     # Trained towards the targets: once the answer is written (the value before EOS), correct answers are
     # valued above wrong ones.
@@ -180,7 +180,7 @@ def test_value_clip_stops_tokens_that_moved_past_it(tiny_model_path):
     with torch.no_grad():
         batch = critic._batch_tensors(samples)
         values = critic.values(batch)
-    samples["old_values"] = [values[row][batch["mask"][row].bool()].tolist() for row in range(count)]
+    samples["old_values"] = [batch.at_response(values, row).tolist() for row in range(count)]
     first, second = (critic.train_step(samples, tokens, count) for _ in range(2))
     assert first["value_clip_fraction"] == 0.0
     assert second["value_clip_fraction"] > 0.5, second

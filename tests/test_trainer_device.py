@@ -255,3 +255,37 @@ def test_shards_are_balanced_by_tokens():
     # long-tailed: count-based halves would give one rank 1010 tokens and the other 40
     assert [sum([1000, 10, 10, 10, 10, 10, 10, 10][i] for i in s) for s in
             balanced_shards([1000, 10, 10, 10, 10, 10, 10, 10], 2)] == [1000, 70]
+
+
+def test_token_batch_places_each_column_on_its_response_tokens():
+    """Shifted coordinates: position t of a per-token column is the value for predicting token t + 1, so a
+    response's values sit from prompt length - 1 on; a per-response float is broadcast; the mask marks
+    exactly those positions; an optional column is kept only when every sample has it; a wrong count,
+    a missing required column and an unknown column are errors that name it."""
+    import torch
+
+    from operators.batching import token_batch
+
+    samples = {"prompt_token_ids": [[5, 6, 7], [8]], "response_token_ids": [[1, 2], [3, 4, 9]],
+               "behavior_logprobs": [[-0.5, -1.5], [-1.0, -2.0, -3.0]], "advantages": [1.0, [0.1, 0.2, 1e39]],
+               "ref_logprobs": [[-0.1, -0.2], None], "staleness": [2, 0]}
+    batch = token_batch(samples, pad_id=0, required=("behavior_logprobs", "advantages"),
+                        optional=("ref_logprobs",), device="cpu")
+    assert batch.rows == 2 and batch.input_ids.tolist() == [[5, 6, 7, 1, 2], [8, 3, 4, 9, 0]]
+    assert batch.attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert batch.mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+    assert batch.at_response(batch.behavior_logprobs, 0).tolist() == [-0.5, -1.5]
+    assert batch.at_response(batch.behavior_logprobs, 1).tolist() == [-1.0, -2.0, -3.0]
+    assert batch.advantages[0].tolist() == [0, 0, 1, 1]
+    assert batch.advantages[1, 2].item() == float("inf")  # overflow reaches the NaN guard instead of raising
+    assert batch.ref_logprobs is None and batch.staleness.tolist() == [2, 0]
+    assert batch.require("advantages")[0] is batch.advantages
+    with pytest.raises(ValueError, match="no ref_logprobs column"):
+        batch.require("ref_logprobs")
+    with pytest.raises(ValueError, match="sample 1: 2 behavior_logprobs for 3 response tokens"):
+        token_batch({**samples, "behavior_logprobs": [[-0.5, -1.5], [-1.0, -2.0]]}, 0, ("behavior_logprobs",))
+    with pytest.raises(ValueError, match="no returns column"):
+        token_batch(samples, 0, ("returns",))
+    with pytest.raises(ValueError, match="'logits'.*not TokenBatch columns"):
+        token_batch(samples, 0, ("logits",))
+    assert token_batch(samples, 0, ("advantages",)).to(torch.device("cpu")).mask.dtype == torch.float32
