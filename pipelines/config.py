@@ -142,7 +142,8 @@ class VLLMOptions(_Section):
         1, ge=1, description="GPUs one vLLM engine is split over (tensor parallel), for a model too big for one "
         "GPU or for faster decoding. On GPUs set rollout.num_gpus to the same number: each generate actor gets a "
         "placement group of that many GPUs on one node (pipelines/placement.py). On CPU (num_gpus: 0) the "
-        "engine's workers are processes sharing the actor's rollout.num_cpus. Needs engine: vllm."
+        "engine's workers are processes sharing the actor's rollout.num_cpus, each bound to CPUs of its own. Needs "
+        "engine: vllm."
     )
 
 

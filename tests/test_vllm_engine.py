@@ -194,3 +194,60 @@ def test_bf16_buckets_load_in_place(engine, hf, prompts):
         assert max_logprob_diff(hf.model, ids, groups) > 100 * LOGPROB_TOL
     finally:
         engine.load_weights(old)
+
+
+def test_cpu_tensor_parallel_binding_gives_each_worker_its_own_cpus(monkeypatch):
+    """vLLM-CPU's "auto" binding wants one NUMA node per tensor-parallel worker (and fails on a one-node
+    machine): each worker gets its own CPU list instead, "a|b"; a binding the user set is kept."""
+    import os
+
+    from operators.engines.vllm import bind_threads
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "x")  # restored (removed) after the test
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    cpus = sorted(os.sched_getaffinity(0))
+    bind_threads(None, 2)
+    half = len(cpus) // 2
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == (
+        ",".join(map(str, cpus[:half])) + "|" + ",".join(map(str, cpus[half:2 * half])))
+    bind_threads(None, 2)  # kept, not recomputed
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    bind_threads(1, 2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    with pytest.raises(ValueError, match="needs a CPU per worker: 2 workers, 1 CPU"):
+        bind_threads(1, 2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_matches_hf_and_loads_buckets_in_place(hf, prompts, tiny_model_path, monkeypatch):
+    """rollout.vllm.tensor_parallel_size: 2 on CPU (the "mp" executor the job names there, a worker process
+    per shard): the split engine computes what HF computes, and bf16 buckets load in place into both
+    shards (each worker's load_weights_file reads its own slice of the same file)."""
+    import torch
+
+    from operators.engines.vllm import VLLMEngine
+    from operators.weights import WeightSet, pack_buckets
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "x")  # so the binding the engine sets is removed after
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    engine = VLLMEngine(tiny_model_path, gpu_memory_utilization=0.1, max_model_len=64, tensor_parallel_size=2,
+                        distributed_executor_backend="mp")
+    try:
+        ids = engine.encode(prompts)
+        assert max_logprob_diff(hf.model, ids, greedy(engine, ids)) < LOGPROB_TOL
+        old = {name: t.detach().numpy().copy() for name, t in hf.model.state_dict().items()}
+        rng = np.random.default_rng(2)
+        new = {n: torch.from_numpy((w + 0.2 * w.std() * rng.standard_normal(w.shape)).astype(np.float32))
+               for n, w in old.items()}
+        weights = WeightSet(pack_buckets(new.items(), bucket_mb=0.25, dtype="bfloat16"))
+        engine.load_weights(weights)
+        groups = greedy(engine, ids)
+        hf.load_weights(weights)
+        try:
+            assert max_logprob_diff(hf.model, ids, groups) < LOGPROB_TOL  # both shards hold the new weights
+        finally:
+            hf.load_weights(old)
+        assert max_logprob_diff(hf.model, ids, groups) > 100 * LOGPROB_TOL
+    finally:
+        engine.close()

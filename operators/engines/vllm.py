@@ -65,14 +65,32 @@ def vllm_available() -> bool:
         return False
 
 
-def bind_threads(torch_threads: int | None) -> None:
-    """Give the engine's worker the first `torch_threads` CPUs of this process (before it starts).
-    The CPU worker binds its OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND, default "auto": one
-    NUMA node, one core kept for the engine core process); `torch.set_num_threads` in the worker is
-    disabled after the binding."""
-    if torch_threads:
+def bind_threads(torch_threads: int | None, tensor_parallel_size: int = 1) -> None:
+    """Give the engine's workers the first `torch_threads` CPUs of this process (all of them when None
+    and the engine is split), before it starts. The CPU worker binds its OpenMP threads itself
+    (VLLM_CPU_OMP_THREADS_BIND, default "auto": one NUMA node per worker, one core kept for the engine
+    core process); `torch.set_num_threads` in the worker is disabled after the binding.
+
+    With tensor parallel on CPU each of the `tensor_parallel_size` worker processes needs CPUs of its
+    own: "auto" wants one NUMA node per worker and fails on a one-node machine, so the CPUs are dealt
+    into that many disjoint lists ("0,1|2,3"). A binding set in the environment is kept. On a GPU
+    nothing is bound (vLLM ignores the variable there, and the workers are Ray actors of their own)."""
+    import torch
+
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (tensor_parallel_size > 1 and torch.cuda.is_available()):
+        return
+    if tensor_parallel_size > 1:
+        cpus = sorted(os.sched_getaffinity(0))[: int(torch_threads)] if torch_threads else sorted(os.sched_getaffinity(0))
+        if len(cpus) < tensor_parallel_size:
+            raise ValueError(f"a tensor-parallel vLLM engine on CPU needs a CPU per worker: {tensor_parallel_size} "
+                             f"workers, {len(cpus)} CPU(s) (rollout.torch_threads, or this process's affinity); "
+                             "lower rollout.vllm.tensor_parallel_size or give the generate actor more CPUs")
+        share = len(cpus) // tensor_parallel_size
+        lists = [cpus[i * share:(i + 1) * share] for i in range(tensor_parallel_size)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, part)) for part in lists)
+    elif torch_threads:
         cpus = sorted(os.sched_getaffinity(0))[: int(torch_threads)]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool):
@@ -174,7 +192,7 @@ class VLLMBase:
                 gpu_memory_utilization: float, max_model_len: int | None, enforce_eager: bool, dtype: str,
                 seed: int, extra: Mapping[str, Any]) -> dict[str, Any]:
         """Bind threads, load the tokenizer, make the weight file; the engine arguments."""
-        bind_threads(torch_threads)
+        bind_threads(torch_threads, int(extra.get("tensor_parallel_size") or 1))
         self.model_path = str(model_path)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
         self.eos_id = self.tokenizer.eos_token_id
