@@ -295,6 +295,13 @@ class Tracker:
         except Exception:  # noqa: BLE001 - unreachable: the caller just does the work again
             return set()
 
+    def train_steps_logged(self) -> set[int]:
+        """Train steps this run has logged (a row carries `policy_version`): what its spool holds, delivered
+        or not (so also while MLflow is unreachable), and what MLflow has (a spool left on another machine)."""
+        ops, _ = self.spool.load()
+        spooled = {int(op["step"]) for op in ops if op.get("op") == "metrics" and "policy_version" in op["metrics"]}
+        return spooled | self.metric_steps("policy_version")
+
     def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> str:
         """Record a dataset as an input of the run ("training", "eval"), once per digest; its digest."""
         return log_dataset_input(self.client, self.run, prompts, source, context)
@@ -340,6 +347,12 @@ class Tracker:
         follow the files in the queue: once `checkpoint.latest` is set, its files are there."""
         path = Path(path).resolve()
         artifact_path = f"checkpoints/step_{step:06d}"
+        if not path.is_dir():
+            # Pruned (train.checkpoint_keep) by newer checkpoints before this driver got to its row: nothing
+            # to upload, and no reason to stop a job that trains on. The tags keep pointing at the last one.
+            self._say(f"streamrl: checkpoint {path} was pruned (train.checkpoint_keep) before it was logged; "
+                      "not uploaded")
+            return artifact_path
         for entry in sorted(path.iterdir()):
             if entry.is_dir():
                 if entry.name not in exclude:
@@ -502,6 +515,9 @@ class NullTracker:
     def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> None: ...
 
     def metric_steps(self, key: str) -> set[int]:
+        return set()
+
+    def train_steps_logged(self) -> set[int]:
         return set()
 
     def log_artifact(self, file: Path | str, artifact_path: str | None = None) -> None: ...
