@@ -91,6 +91,7 @@ class Train:
         self.next_step = first_step
         self.success_threshold = success_threshold
         self.checkpoints = checkpoints
+        self.unsaved_rows: list[dict] = []  # metric rows of the steps since the last checkpoint
         self.stop, self.stopped = stop, False
         self.ledger: list[pd.DataFrame] = [pd.read_parquet(prior_ledger)] if prior_ledger else []
         self.seen: set[str] = set(self.ledger[0]["group_uid"]) if self.ledger else set()
@@ -209,6 +210,10 @@ class Train:
                     f"{self.nan_skips} steps had a non-finite loss (train.max_nan_skips: {self.max_nan_skips}); "
                     "stopping. Lower train.lr, check the rewards, or raise train.max_nan_skips"
                 )
+        # What the checkpoint keeps of this step's row, for a driver that dies before logging it.
+        self.unsaved_rows.append({key: value.item() if isinstance(value, np.generic) else value
+                                  for key, value in metrics.items()
+                                  if isinstance(value, (int, float, bool, np.integer, np.floating))})
         checkpoint_start = time.perf_counter()
         stopping = self.stop is not None and step + 1 < self.end_step and self.stop.requested()
         checkpoint = self._maybe_checkpoint(step + 1, force=stopping)
@@ -244,7 +249,10 @@ class Train:
         if self.checkpoints is None or not (force or self.checkpoints.due(steps_done, last)):
             return None
         ledger = pd.concat(self.ledger, ignore_index=True)
-        return self.checkpoints.write(steps_done, self.workers, self.critics, ledger, last)
+        path = self.checkpoints.write(steps_done, self.workers, self.critics, ledger, last,
+                                      step_rows=self.unsaved_rows)
+        self.unsaved_rows = []
+        return path
 
 
 def _informative(row: dict) -> bool:

@@ -40,6 +40,9 @@ from operators.train import LEDGER_COLUMNS  # the Train operator writes the ledg
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 LEDGER = "ledger.parquet"
+# The metric rows of the steps since the previous checkpoint, as the Train operator had them when it wrote
+# this one: a driver that died before it logged them finds them here (pipelines/step_log.py).
+STEP_ROWS = "steps.jsonl"
 RUN_FILE = "run.json"
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
@@ -93,6 +96,13 @@ class Checkpoint:
     def ledger(self) -> pd.DataFrame:
         return pd.read_parquet(self.path / LEDGER)
 
+    def step_rows(self) -> list[dict]:
+        """The metric rows of the steps this checkpoint added ([] for one written before they were kept)."""
+        file = self.path / STEP_ROWS
+        if not file.is_file():
+            return []
+        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
 
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -137,6 +147,16 @@ class CheckpointDir:
         return json.loads(file.read_text()) if file.is_file() else None
 
     # --- writing ------------------------------------------------------------------------
+
+    def next_attempt(self) -> int:
+        """Count one more try of this run (its first start, each restart, each resume) in the run file;
+        returns its number, 1 for the first. A run folder without a run file (written before this was
+        counted) starts at 1."""
+        info = self.run_file()
+        attempt = int((info or {}).get("attempts", 0)) + 1
+        if info is not None:
+            self.write_run_file({**info, "attempts": attempt})
+        return attempt
 
     def begin(self, step: int) -> Path:
         """A fresh hidden folder to write the checkpoint of `step` into."""
@@ -224,13 +244,16 @@ class StepCheckpoints:
     def due(self, steps_done: int, last: bool) -> bool:
         return last or bool(self.every and steps_done % self.every == 0)
 
-    def write(self, steps_done: int, workers, critics, ledger: pd.DataFrame, last: bool) -> Path:
-        """Every rank's engine and RNG state (and the critic's), the ledger, an export when due; atomically."""
+    def write(self, steps_done: int, workers, critics, ledger: pd.DataFrame, last: bool,
+              step_rows: list[dict] | None = None) -> Path:
+        """Every rank's engine and RNG state (and the critic's), the ledger, the metric rows of the steps
+        since the previous checkpoint (`step_rows`), an export when due; atomically."""
         import ray
 
         folder = CheckpointDir(Path(self.root))
         tmp = folder.begin(steps_done)
         try:
+            (tmp / STEP_ROWS).write_text("".join(json.dumps(row, default=str) + "\n" for row in step_rows or []))
             ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in workers]
                     + [critic.save_checkpoint.remote(str(tmp / CRITIC_DIR)) for critic in critics])
             if last or self.hf_export == "every":

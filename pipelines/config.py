@@ -548,7 +548,9 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed of the trainer and the samplers.")
     checkpoint_every: int = Field(
         10, ge=0, description="Write a resumable checkpoint (DeepSpeed model + optimizer state, RNG states, the "
-        "ledger of trained groups) every this many steps; 0: only after the last step, which always gets one."
+        "ledger of trained groups) every this many steps; 0: only after the last step, which always gets one. "
+        "Step metrics reach MLflow when a checkpoint covers them (so a restarted step is logged once): MLflow "
+        "lags the console by up to this many steps."
     )
     checkpoint_keep: int = Field(
         2, ge=0, description="Keep the newest this many checkpoints of a run on disk (0: all); older ones are "

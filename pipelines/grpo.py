@@ -54,6 +54,7 @@ from pipelines.resources import DAG_HELPER_CPUS, stage_options
 from pipelines.resume import (
     AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
 )
+from pipelines.step_log import EvalRows, StepLog, write_dropped
 from pipelines.timeline import overlap_report
 from pipelines.trainer_group import (
     advantage_options, critic_model_path, start_critic_group, start_trainer_group, stop_trainer_group, train_options,
@@ -410,7 +411,13 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     if held_out is not None:
         tracker.log_dataset(held_out[0], held_out[1], "eval")
     rows, status, restarts, placement, loads = [], "FAILED", 0, [], []
-    evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id)
+    # Step rows and evaluations reach MLflow once a checkpoint covers them (pipelines/step_log.py).
+    steps = StepLog(tracker, committed=start, attempt=run_dir.next_attempt())
+    tracker.set_tags({"attempts": steps.attempt})
+    if checkpoint is not None:  # a resume: steps the dead driver had not logged when its checkpoint was written
+        _say_backfilled(steps.backfill(checkpoint, steps.attempt - 1, tracker.train_steps_logged()), echo)
+    evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id,
+                          log=EvalRows(steps))
     preemption = Preemption(cfg.train.on_preempt, cfg.train.preempt_grace_s, echo)
     try:
         # After Ray's start: ray.init sets a SIGTERM handler of its own (sys.exit), which ours replaces.
@@ -421,7 +428,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
             while True:
                 try:
                     placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
-                                             progress, evaluation, loads, stop)
+                                             progress, evaluation, loads, steps, stop)
                     break
                 except Exception as err:
                     if not is_process_death(err) or restarts >= cfg.train.max_restarts:
@@ -431,9 +438,15 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                     run_dir.clean_partial()
                     start = checkpoint.step if checkpoint else 0
                     rows[:] = [row for row in rows if row["step"] < start]  # steps after it are trained again
+                    dropped = steps.drop(start)
+                    _say_backfilled(steps.backfill(checkpoint, steps.attempt), echo)
+                    write_dropped(dropped, output_dir / "dropped" / run_id, steps.attempt, tracker)
+                    evaluation.forget_after(start)
+                    steps.attempt = run_dir.next_attempt()
                     echo(f"streamrl: a process died ({err}); restarting the trainer group and the DAG "
-                         f"from step {start} (restart {restarts}/{cfg.train.max_restarts})")
-                    tracker.set_tags({"restarts": restarts})
+                         f"from step {start} (restart {restarts}/{cfg.train.max_restarts}, attempt {steps.attempt}; "
+                         f"{len(dropped)} step(s) trained after that checkpoint are trained again)")
+                    tracker.set_tags({"restarts": restarts, "attempts": steps.attempt})
                     progress.restart(start)
         if rows:
             overlap = overlap_report([row["timeline"] for row in rows])
@@ -470,6 +483,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         raise JobFailed(f"{summary} (the last checkpoint is at step {step})", run_id, step) from err
     finally:
         preemption.disarm()
+        _drop_uncommitted(steps, run_dir, output_dir / "dropped" / run_id, tracker, echo)
         tracker.close(status, timeout_s=preemption.remaining_s() if preemption.requested_at is not None else None)
     final = run_dir.latest_valid(echo, hashes=False)
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
@@ -517,6 +531,23 @@ def check_object_store(cfg: JobConfig, model_path: str, store_mb: float | None =
         raise ConfigError([("ray.object_store_memory_mb", problem.split(": ", 1)[1])])
 
 
+def _say_backfilled(logged: list[int], echo) -> None:
+    if logged:
+        echo(f"streamrl: logged step(s) {', '.join(str(step + 1) for step in logged)} from the checkpoint "
+             "(their rows had not reached MLflow before the process that trained them ended)")
+
+
+def _drop_uncommitted(steps: StepLog, run_dir: CheckpointDir, folder: Path, tracker, echo) -> None:
+    """At the end of a job: what it trained after its last checkpoint stays out of the metric history (a
+    resume trains it again), kept as an artifact instead. A finished job has nothing there."""
+    dropped = steps.drop(_resume_step(run_dir))
+    if dropped:
+        write_dropped(dropped, folder, steps.attempt, tracker)
+        echo(f"streamrl: {len(dropped)} step(s) trained after the last checkpoint are not in the MLflow metric "
+             f"history (a resume trains them again); their rows are the run's artifact "
+             f"dropped/attempt_{steps.attempt}.jsonl")
+
+
 def _resume_step(run_dir: CheckpointDir) -> int:
     checkpoint = run_dir.latest_valid(lambda _: None, hashes=False)
     return checkpoint.step if checkpoint else 0
@@ -525,8 +556,11 @@ def _resume_step(run_dir: CheckpointDir) -> int:
 class EvalPlan:
     """Which policy versions the job evaluates on held-out prompts, and what was logged, across attempts."""
 
-    def __init__(self, cfg: JobConfig, prompts: pd.DataFrame | None, model_path: str, tracker, artifacts_dir: Path):
+    def __init__(self, cfg: JobConfig, prompts: pd.DataFrame | None, model_path: str, tracker, artifacts_dir: Path,
+                 log=None):
+        """`log`: where evaluations are logged (an EvalRows of the job's StepLog; default `tracker`)."""
         self.cfg, self.prompts, self.model_path, self.tracker = cfg, prompts, model_path, tracker
+        self.log = log or tracker
         self.artifacts_dir = artifacts_dir
         self.rows: list[dict] = []  # one per evaluated version, in order
         # A resumed run: the versions its earlier processes evaluated are in MLflow already.
@@ -546,14 +580,19 @@ class EvalPlan:
             return None
         options = engine_options(self.cfg, self.cfg.eval.engine)
         return InTrainingEval(self.cfg, self.prompts, self.model_path, options, store_name,
-                              versions, self.tracker, echo, self.rows, self.artifacts_dir)
+                              versions, self.log, echo, self.rows, self.artifacts_dir)
+
+    def forget_after(self, step: int) -> None:
+        """A restart from the checkpoint of `step` steps: the versions after it are other weights now,
+        evaluated again."""
+        self.rows[:] = [row for row in self.rows if row["step"] <= step]
 
     def table(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows)
 
 
 def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress,
-                 evaluation: EvalPlan, loads: list[dict], stop=None) -> list[dict]:
+                 evaluation: EvalPlan, loads: list[dict], steps: StepLog, stop=None) -> list[dict]:
     """One try: a fresh policy store, trainer group and DAG (and evaluator), from `checkpoint`
     (None: step 0). Returns where the trainer ranks ran."""
     first = checkpoint.step if checkpoint else 0
@@ -586,9 +625,11 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         failure = None
         try:
             for row in iter_steps(ds):
-                tracker.log_step(row)
+                row = {**row, "attempt": steps.attempt}
+                steps.hold(row, int(row["step"]) + 1)
                 progress.update(row)
                 if row.get("checkpoint_path"):
+                    steps.commit(int(row["step"]) + 1)
                     tracker.log_checkpoint(Path(row["checkpoint_path"]), int(row["step"]) + 1)
                     progress.echo(f"streamrl: checkpoint {row['checkpoint_path']} "
                                   f"({row.get('time_checkpoint', 0.0):.1f}s)")

@@ -149,8 +149,13 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
     mlflow.set_tracking_uri(f"sqlite:///{out.resolve() / 'mlflow.db'}")
     run = mlflow.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    # Each step once in the metric history (the killed driver's steps after its checkpoint were never
+    # logged), with the attempt that trained it.
     history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward_mean")
-    assert {m.step for m in history} == set(range(STEPS))
+    assert sorted(m.step for m in history) == list(range(STEPS))
+    attempts = {m.step: m.value for m in mlflow.tracking.MlflowClient().get_metric_history(run_id, "attempt")}
+    assert attempts == {step: 1.0 if step < resumed_from else 2.0 for step in range(STEPS)}, attempts
+    assert run.data.tags["attempts"] == "2"
     assert_exactly_once(final_ledger(out, run_id), max_staleness=0)
     # Same seed, staleness 0: the interrupted-and-resumed policy is the uninterrupted one.
     expected = load_file(str(reference.checkpoint / "model.safetensors"))
@@ -171,9 +176,8 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
         for name in expected:
             np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=f"critic {name}")
         history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "critic_version")
-        # staleness 0: every group of step s was valued by critic version s, in both attempts (a step the
-        # killed driver had logged after its last checkpoint is logged again by the resumed one)
-        assert {(m.step, m.value) for m in history} == {(step, float(step)) for step in range(STEPS)}
+        # staleness 0: every group of step s was valued by critic version s, in both attempts
+        assert sorted((m.step, m.value) for m in history) == [(step, float(step)) for step in range(STEPS)]
 
 
 def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
@@ -238,7 +242,7 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     # The rank's first death: restarted automatically from the last checkpoint (one at or after step 2).
     restarts = [line for line in echo.lines if "restarting the trainer group" in line]
     assert len(restarts) == 1, echo.lines[-20:]
-    restarted_from = int(re.search(r"from step (\d+) \(restart 1/1\)", restarts[0]).group(1))
+    restarted_from = int(re.search(r"from step (\d+) \(restart 1/1, attempt 2;", restarts[0]).group(1))
     assert restarted_from % 2 == 0 and restarted_from >= 2, restarts[0]
     # The message says what died: the rank itself, or the object it owned (the published weights).
     assert re.search(r"\((ActorDiedError \(TrainWorker|OwnerDiedError)", restarts[0]), restarts[0]
@@ -254,9 +258,14 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     mlflow.set_tracking_uri(cfg.tracking_uri())
     run = mlflow.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    # Steps retrained after the restart and after the resume are logged once, with the attempt that
+    # trained them: the first (before the restart), the restarted one, the resume.
+    client = mlflow.tracking.MlflowClient()
     for metric in ("reward_mean", "policy_loss", "staleness_max"):
-        history = mlflow.tracking.MlflowClient().get_metric_history(run_id, metric)
-        assert {m.step for m in history} == set(range(STEPS)), metric
+        assert sorted(m.step for m in client.get_metric_history(run_id, metric)) == list(range(STEPS)), metric
+    attempts = {m.step: m.value for m in client.get_metric_history(run_id, "attempt")}
+    assert attempts == {s: 1.0 if s < restarted_from else 2.0 if s < step else 3.0 for s in range(STEPS)}, attempts
+    assert run.data.tags["attempts"] == "3"
 
 
 def test_hanging_reward_and_nonfinite_loss_midjob(tmp_path):

@@ -1,0 +1,80 @@
+"""A step reaches MLflow once: rows wait for the checkpoint that covers them (pipelines/step_log.py).
+The end-to-end proof, with real restarts and resumes, is in tests/test_faults.py."""
+
+from __future__ import annotations
+
+import json
+
+from pipelines.checkpoint import CheckpointDir
+from pipelines.step_log import EvalRows, StepLog, write_dropped
+
+
+class Recorder:
+    def __init__(self):
+        self.steps, self.artifacts = [], []
+
+    def log_step(self, row):
+        self.steps.append(row["step"])
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((str(path), artifact_path))
+
+
+def test_rows_wait_for_their_checkpoint_and_a_restart_drops_the_rest():
+    tracker = Recorder()
+    log = StepLog(tracker, committed=0)
+    for step in range(3):  # steps 0..2 trained; the checkpoint after step 1 covers 2 steps
+        log.hold({"step": step}, step + 1)
+    assert tracker.steps == []
+    assert log.commit(2) == 2 and tracker.steps == [0, 1]
+    evals = EvalRows(log)
+    evals.log_step({"step": 2})  # version 2: covered by the checkpoint of 2 steps already
+    evals.log_artifact("/x/eval_2.parquet", "eval")
+    evals.log_step({"step": 3})  # version 3: not yet
+    evals.log_artifact("/x/eval_3.parquet", "eval")
+    assert tracker.steps == [0, 1, 2] and tracker.artifacts == [("/x/eval_2.parquet", "eval")]
+    log.hold({"step": 3}, 4)
+    # A restart from the checkpoint of 2 steps: step 2's row and version 3 are trained and evaluated again.
+    dropped = log.drop(2)
+    assert [row["step"] for row in dropped] == [2, 3, 3] and log.held == []
+    for step in (2, 3):
+        log.hold({"step": step}, step + 1)
+    log.commit(4)
+    assert tracker.steps == [0, 1, 2, 2, 3]  # the first 2 is version 2's evaluation, the second step 2's row
+    # A checkpoint the driver never heard of (a rank died after writing it): a restart from it logs what it covers.
+    log.hold({"step": 4}, 5)
+    assert log.drop(5) == [] and tracker.steps[-1] == 4
+
+
+def test_dropped_rows_are_kept_as_an_artifact(tmp_path):
+    tracker = Recorder()
+    assert write_dropped([], tmp_path, 1, tracker) is None and tracker.artifacts == []
+    path = write_dropped([{"step": 7, "policy_loss": float("nan"), "rollouts_parquet": b"x", "attempt": 2}],
+                         tmp_path, 2, tracker)
+    assert tracker.artifacts == [(path, "dropped")] and path.endswith("attempt_2.jsonl")
+    assert [json.loads(line) for line in open(path)] == [{"step": 7, "policy_loss": "nan", "attempt": 2}]
+
+
+def test_attempts_are_counted_in_the_run_file(tmp_path):
+    run_dir = CheckpointDir(tmp_path / "run")
+    assert run_dir.next_attempt() == 1  # no run file (an older run): counts from 1, writes nothing
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    run_dir.write_run_file({"run_id": "r"})
+    assert [run_dir.next_attempt() for _ in range(3)] == [1, 2, 3]
+    assert run_dir.run_file() == {"run_id": "r", "attempts": 3}
+
+
+def test_backfill_logs_the_checkpointed_rows_nobody_logged(tmp_path):
+    """A driver that died after the Train operator wrote a checkpoint, before it logged that checkpoint's
+    steps: the checkpoint keeps their rows, and the next process logs exactly the missing ones."""
+    from pipelines.checkpoint import STEP_ROWS, Checkpoint
+
+    folder = tmp_path / "step_000004"
+    folder.mkdir()
+    (folder / STEP_ROWS).write_text("".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in (2, 3)))
+    tracker = Recorder()
+    log = StepLog(tracker, committed=4, attempt=2)
+    assert log.backfill(Checkpoint(folder, 4, {}), attempt=1, logged_before={0, 1, 2}) == [3]
+    assert tracker.steps == [3] and log.logged == {3}
+    assert log.backfill(Checkpoint(folder, 4, {}), attempt=1, logged_before={0, 1, 2}) == []  # not twice
+    assert log.backfill(Checkpoint(tmp_path, 2, {}), attempt=1) == []  # an older checkpoint without the file
