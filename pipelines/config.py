@@ -632,6 +632,15 @@ class TrackingConfig(_Section):
     )
     experiment: str = Field("streamrl", description="MLflow experiment name.")
     log_rollouts: bool = Field(True, description="Log each step's rollouts as a Parquet artifact.")
+    log_model: bool = Field(
+        True, description="When the job finishes, log the final checkpoint's policy (its Hugging Face export: "
+        "config, weights, tokenizer) as an MLflow model of the run (transformers flavour, task text-generation; "
+        "mlflow.transformers.load_model('models:/<model id>') loads it), with its step, policy version, "
+        "checkpoint and dataset digests. Costs a second upload of the weights to the artifact store (the "
+        "checkpoint's artifacts hold one) and, while MLflow packages it, a temporary local copy of them: turn "
+        "it off for large models on a small or slow artifact store. Delivered like every record (an outage "
+        "delays it); a failure never fails the job."
+    )
     run_name: Optional[str] = Field(None, description="MLflow run name; default is MLflow's.")
     flush_timeout_s: float = Field(
         300, ge=0, description="At the end of a job, how long to wait for records buffered while the tracking "

@@ -47,6 +47,7 @@ from pipelines.lineage import NullTracker, Tracker, announce_run
 from pipelines.placement import (
     ReplicaPlacement, drop_remote_args_probes, engine_bundles, map_stage, vllm_executor_backend,
 )
+from pipelines.policy_model import log_final_policy
 from pipelines.policy_store import create_policy_store
 from pipelines.preemption import Preempted, Preemption
 from pipelines.progress import Progress
@@ -460,6 +461,9 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                 echo(f"streamrl: {len(loads)} weight updates in flight: pause {summary['job_weight_pause_s_median'] * 1e3:.0f} ms "
                      f"median ({summary['job_weight_pause_s_max'] * 1e3:.0f} ms max); pull + prepare "
                      f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on")
+        final = run_dir.latest_valid(echo, hashes=False)
+        if cfg.tracking.log_model:
+            log_final_policy(tracker, final, cfg, echo)
         status = "FINISHED"
     except Preempted as stopped:
         status = "KILLED"
@@ -485,7 +489,6 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         preemption.disarm()
         _drop_uncommitted(steps, run_dir, output_dir / "dropped" / run_id, tracker, echo)
         tracker.close(status, timeout_s=preemption.remaining_s() if preemption.requested_at is not None else None)
-    final = run_dir.latest_valid(echo, hashes=False)
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
     return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
                      output_dir, resume_id=run_id, eval_metrics=evaluation.table(), weight_updates=pd.DataFrame(loads))

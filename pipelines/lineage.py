@@ -3,7 +3,8 @@
 Per job: the flattened config as params; code and package versions as tags; the prompt
 dataset as a dataset input (digest + source); one set of metrics per train step; each
 step's rollouts as Parquet (prompt_id, group_uid, policy_version, train_step, ...); the
-checkpoints, tagged with the step that made them.
+checkpoints, tagged with the step that made them; the final checkpoint's policy as an MLflow model
+with its lineage (pipelines/policy_model.py).
 
 A tracking server that goes away mid-job must not stop training nor lose a record. Only
 the start of a job talks to MLflow directly (it needs MLflow up, and fails before anything
@@ -95,13 +96,18 @@ def _dataset_source(source: str):
     return source
 
 
+def dataset_name(source: str) -> str:
+    """The name a dataset input gets in MLflow: the file's name, or the builtin's."""
+    return Path(source).name or source
+
+
 def log_dataset_input(client, run, prompts: pd.DataFrame, source: str, context: str) -> str:
     """Log `prompts` as a dataset input of `run` (name, digest, source) unless the run has it; its digest."""
     import mlflow
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    dataset = mlflow.data.from_pandas(prompts, source=_dataset_source(source), name=Path(source).name or source)
+    dataset = mlflow.data.from_pandas(prompts, source=_dataset_source(source), name=dataset_name(source))
     if not any(item.dataset.digest == dataset.digest for item in run.inputs.dataset_inputs):
         # _to_mlflow_entity is private, but MlflowClient.log_inputs takes only the entity form.
         client.log_inputs(run.info.run_id, datasets=[
@@ -146,6 +152,8 @@ def _describe(op: dict) -> str:
         return f"metrics of step {op['step']}"
     if op["op"] in ("artifact", "artifacts"):
         return f"{op['path']} -> {op.get('artifact_path') or '/'}"
+    if op["op"] == "model":
+        return f"MLflow model of {op['path']}"
     return f"tags {', '.join(op['tags'])}"
 
 
@@ -270,6 +278,7 @@ class Tracker:
         for start in range(0, len(items), BATCH_LIMIT):
             client.log_batch(run_id, params=items[start:start + BATCH_LIMIT])
         self._log_tags_now(tags)
+        self.datasets: dict[str, dict] = {}  # the run's dataset inputs by context: name and digest
         self.dataset_digest = self.log_dataset(prompts, source, "training")
 
         # From here on, every write goes through the spool and the writer thread.
@@ -304,7 +313,9 @@ class Tracker:
 
     def log_dataset(self, prompts: pd.DataFrame, source: str, context: str) -> str:
         """Record a dataset as an input of the run ("training", "eval"), once per digest; its digest."""
-        return log_dataset_input(self.client, self.run, prompts, source, context)
+        digest = log_dataset_input(self.client, self.run, prompts, source, context)
+        self.datasets[context] = {"name": dataset_name(source), "digest": digest}
+        return digest
 
     @property
     def run_url(self) -> str:
@@ -363,6 +374,11 @@ class Tracker:
             "checkpoint.latest": artifact_path, "checkpoint.latest_step": str(step), "checkpoint.latest_path": str(path),
         })
         return artifact_path
+
+    def log_model(self, record: dict) -> None:
+        """Log a checkpoint's policy as an MLflow model of the run (`record`: policy_model.model_record).
+        Its folder must stay where it is until delivered; then the run's `model.latest_*` tags name it."""
+        self._enqueue({"op": "model", **record})
 
     def set_tags(self, tags: dict) -> None:
         if tags:
@@ -493,9 +509,29 @@ class Tracker:
                 return
             upload = self.client.log_artifact if kind == "artifact" else self.client.log_artifacts
             upload(self.run_id, op["path"], op.get("artifact_path"))
+        elif kind == "model":
+            self._deliver_model(op)
         else:  # written by another version of streamrl: retrying cannot help
             self.refused += 1
             self._say(f"streamrl: unknown record in {self.spool_path} skipped: {op!r}")
+
+    def _deliver_model(self, op: dict) -> None:
+        from mlflow.entities import RunTag
+
+        from pipelines import policy_model
+
+        if not os.path.isdir(op["path"]):
+            self.refused += 1
+            self._say(f"streamrl: {op['path']} no longer exists; its MLflow model is not logged")
+            return
+        self.mlflow.set_tracking_uri(self.tracking_uri)  # MLflow's model logging uses the process's URI
+        model = policy_model.deliver(self.client, self.run_id, op)
+        self.client.log_batch(self.run_id, tags=[
+            RunTag("model.latest_id", model.model_id), RunTag("model.latest_uri", model.model_uri),
+            RunTag("model.latest_step", str(op["step"])),
+        ])
+        self._say(f"streamrl: policy of step {op['step']} logged as MLflow model {model.model_uri} "
+                  f"(mlflow.transformers.load_model loads it)")
 
 
 class NullTracker:
@@ -504,6 +540,7 @@ class NullTracker:
     run_id = None
     run_url = "(tracking disabled)"
     dataset_digest = None
+    datasets: dict[str, dict] = {}
     spool_path = None
     pending = 0
     resumed = False
@@ -524,6 +561,8 @@ class NullTracker:
 
     def log_checkpoint(self, path: Path, step: int, exclude: tuple[str, ...] = ("engine",)) -> str:
         return str(path)
+
+    def log_model(self, record: dict) -> None: ...
 
     def set_tags(self, tags: dict) -> None: ...
 

@@ -390,4 +390,9 @@ def test_job_keeps_training_through_a_tracking_server_outage(ray_cluster, server
     assert run.data.tags["checkpoint.latest_path"] == str(result.checkpoint.resolve())
     files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(result.run_id, run.data.tags["checkpoint.latest"])}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    (output,) = run.outputs.model_outputs  # the final checkpoint as an MLflow model (tests/test_mlflow_model.py)
+    model = client.get_logged_model(output.model_id)
+    assert output.step == steps and model.status.name == "READY" and run.data.tags["model.latest_id"] == model.model_id
+    assert model.params["streamrl.policy_version"] == str(steps)
+    assert model.params["streamrl.checkpoint_path"] == str(result.checkpoint.resolve())
     assert delivered_count(spool) == len(spool.read_text().splitlines())
