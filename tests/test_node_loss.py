@@ -113,7 +113,7 @@ def test_replan_on_the_nodes_left(ray_cluster):
     started = time.monotonic()
     with pytest.raises(AttemptFailed, match=r"train.node_wait_s=1: train needs 2 x .* on distinct nodes") as failure:
         replan(spread, lines.append, poll_s=0.2)
-    assert 1 <= time.monotonic() - started < 10
+    assert time.monotonic() - started >= 1  # it waited train.node_wait_s
     assert not is_process_death(failure.value)
     (line,) = lines
     assert line.startswith("streamrl: the job does not fit the 1 node(s) left (train needs 2 x {CPU: 0.5}"), line
