@@ -567,6 +567,12 @@ class TrainConfig(_Section):
         "then fail with the command that resumes the run. Generate and reward actors are restarted by "
         "Ray Data without a rollback."
     )
+    node_wait_s: float = Field(
+        300, ge=0, description="When a restart follows the loss of a node and the job no longer fits the nodes "
+        "left (e.g. train.placement STRICT_SPREAD with a rank per node), wait up to this many seconds for nodes to "
+        "join (the node returning, an autoscaler replacing it), then fail with the command that resumes the run; "
+        "0: fail at once. A job that fits the nodes left restarts on them without waiting (pipelines/nodes.py)."
+    )
     on_preempt: Literal["finish_step", "abandon_step"] = Field(
         "finish_step", description="On SIGTERM to the driver (spot preemption, `ray job stop`, a Kubernetes pod's "
         "termination): 'finish_step' trains the step in progress to its end, checkpoints it and stops; "

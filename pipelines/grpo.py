@@ -44,6 +44,7 @@ from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
 from pipelines.fused import Chain
 from pipelines.lineage import NullTracker, Tracker, announce_run
+from pipelines.nodes import NodeWatch, alive_node_ids, confirm_lost_nodes, placement_line, replan
 from pipelines.placement import (
     ReplicaPlacement, drop_remote_args_probes, engine_bundles, map_stage, vllm_executor_backend,
 )
@@ -426,15 +427,19 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
             check_object_store(cfg, model_path)  # the cluster's real object stores, before any actor starts
             progress = Progress(cfg.train.steps, echo, first_step=start)
             stop = preemption.stop_request()
+            attempt_cfg = cfg  # after a node loss: what fits the nodes left (fewer generate actors)
             while True:
+                known_nodes = alive_node_ids()
                 try:
-                    placement = _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows,
-                                             progress, evaluation, loads, steps, stop)
+                    placement = _run_attempt(attempt_cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info,
+                                             rows, progress, evaluation, loads, steps, stop)
                     break
                 except Exception as err:
                     if not is_process_death(err) or restarts >= cfg.train.max_restarts:
                         raise
                     restarts += 1
+                    if confirm_lost_nodes(known_nodes, echo):  # re-plan on the nodes left, or wait for some
+                        attempt_cfg = replan(cfg, echo)
                     checkpoint = run_dir.latest_valid(echo)
                     run_dir.clean_partial()
                     start = checkpoint.step if checkpoint else 0
@@ -603,7 +608,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
     store = create_policy_store(store_name, retain=tuple(evaluation.versions(first)))
     evaluator = evaluation.start(store_name, first, progress.echo)
     workers, placement = start_trainer_group(cfg, model_path, store_name)
-    critics, value_store = None, None
+    critics, value_store, watch = None, None, None
     replicas = replica_placement(cfg)  # the generate actors' placement groups, released below
     try:
         if cfg.critic is not None:  # its own store; version -1 until rank 0 publishes the initialised critic
@@ -611,6 +616,8 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
             value_store = create_policy_store(value_store_name, initial_version=-1)
             critics, _ = start_critic_group(cfg, critic_model_path(cfg, model_path), value_store_name)
         tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
+        if len(ray.nodes()) > 1:  # on a cluster: say where the ranks went (a restart may move them)
+            progress.echo(f"streamrl: trainer group placed: {placement_line(placement)}")
         if checkpoint is not None:  # rank 0 publishes the checkpoint's weights before any generator asks
             ray.get([worker.load_checkpoint.remote(str(checkpoint.path), checkpoint.step) for worker in workers]
                     + [critic.load_checkpoint.remote(str(checkpoint.path / CRITIC_DIR), checkpoint.step)
@@ -626,6 +633,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         ds = build_rl_dataset(frames, cfg, model_path, store_name, workers, stage_options(cfg),
                               first_step=first, checkpoint_options=options, critics=critics, replicas=replicas)
         failure = None
+        watch = NodeWatch(cfg, placement, progress.echo).start()  # ends the attempt if a rank's node is lost
         try:
             for row in iter_steps(ds):
                 row = {**row, "attempt": steps.attempt}
@@ -647,10 +655,17 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                                     "trained and checkpointed", finished_step=True)
             if evaluator is not None:  # before the trainer group stops: rank 0 owns the retained weights
                 evaluator.finish()
+            watch.stop()  # inside the try: an interrupt it already sent lands here
+        except KeyboardInterrupt:
+            if watch.lost is None:  # Ctrl-C, or the grace period of a stop running out
+                raise
+            failure = AttemptFailed(watch.lost, watch.lost, process_death=True)
         except Exception as err:  # keep its text, drop its frames (see AttemptFailed)
             failure = AttemptFailed.from_exception(err)
             traceback.clear_frames(err.__traceback__)
     finally:
+        if watch is not None:
+            watch.stop()
         if evaluator is not None:
             evaluator.close()
         if replicas is not None:  # a restarted attempt makes new ones; these would hold their GPUs till exit

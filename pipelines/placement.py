@@ -33,6 +33,15 @@ _BUNDLE_MARKER = "bundle_group_{index}_{pg_id}"
 _BUNDLE_MARKER_FULL = 1000.0
 
 
+def on_this_node():
+    """A scheduling strategy for the job's own small actors (the policy store, the stop flag): the
+    caller's (the driver's) node, so the job loses them only with its driver, never with a node that
+    only held generators or a trainer rank (pipelines/nodes.py restarts the job past such a loss)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def map_stage(ds: ray.data.Dataset, fn, *, options: dict[str, Any] | None = None, **map_kwargs) -> ray.data.Dataset:
     """`ds.map_batches(fn, **map_kwargs)` with Ray `options` per actor: map_batches' named resource
     parameters, actor options such as `max_restarts`, and `ray_remote_args_fn` (a ReplicaPlacement)."""

@@ -76,5 +76,8 @@ class PolicyStore:
 
 
 def create_policy_store(name: str, initial_version: int = 0, retain: tuple[int, ...] = ()):
-    """Start the store as a named actor (so operators find it by name) and return its handle."""
-    return PolicyStore.options(name=name).remote(initial_version, tuple(retain))
+    """Start the store as a named actor (so operators find it by name) on the caller's node, and return
+    its handle."""
+    from pipelines.placement import on_this_node
+
+    return PolicyStore.options(name=name, scheduling_strategy=on_this_node()).remote(initial_version, tuple(retain))

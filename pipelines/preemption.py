@@ -91,7 +91,9 @@ class Preemption:
         """A StopRequest for this job's Train operator (the flag actor is made on first use)."""
         if self._flag is None:
             name = f"streamrl-stop-{id(self):x}-{time.time_ns()}"
-            self._flag = _StopFlag.options(name=name).remote()
+            from pipelines.placement import on_this_node
+
+            self._flag = _StopFlag.options(name=name, scheduling_strategy=on_this_node()).remote()
             self._flag_name = name
             if self.requested_at is not None:
                 self._flag.set.remote()

@@ -22,7 +22,7 @@ from pipelines.config import ConfigError, JobConfig, flatten
 # Fields a resumed run may change: where and how it runs, not what it learns.
 MAY_CHANGE = (
     "tracking.", "ray.", "output_dir", "train.steps", "train.checkpoint_every", "train.checkpoint_keep",
-    "train.max_restarts", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
+    "train.max_restarts", "train.node_wait_s", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
     "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
     "reward.placement", "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
@@ -39,6 +39,9 @@ _PROCESS_DEATHS = (
     "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
     "OwnerDiedError", "ObjectLostError", "ObjectReconstructionFailedError", "ActorPlacementGroupRemoved",
 )
+# What a surviving trainer rank's collective raises when a peer rank's process is gone (torch.distributed's
+# gloo transport); with a node lost it can arrive before Ray reports the dead rank.
+_PEER_DEATHS = ("Connection closed by peer",)
 
 
 def resolve_run(output_dir: Path, resume: str) -> str:
@@ -151,7 +154,7 @@ def is_process_death(err: BaseException) -> bool:
         chain += [getattr(current, "cause", None), current.__cause__, current.__context__]
     # Ray Data re-raises a failed operator task as its own exception type with the original
     # traceback as text; the dead actor's error class is only visible there.
-    return any(name in text for name in _PROCESS_DEATHS)
+    return any(name in text for name in _PROCESS_DEATHS + _PEER_DEATHS)
 
 
 def resume_command(config: str, overrides: list[str], run_id: str) -> str:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +29,20 @@ def tiny_model_path() -> str:
     from pipelines.tiny import build_tiny_model
 
     return str(build_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Processes started in sessions of their own (tests/mlflow_server.py), all killed at the module's end."""
+    from mlflow_server import Sessions
+
+    # Short path: Ray's unix sockets live under the temp dir and paths must stay < 108 bytes.
+    folder = Path(tempfile.mkdtemp(prefix="srl-", dir="/tmp"))
+    sessions = Sessions(folder)
+    try:
+        yield sessions
+    finally:
+        try:
+            sessions.stop()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

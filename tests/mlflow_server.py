@@ -1,10 +1,12 @@
 """Real servers for tests: processes each in their own session (setsid), so teardown kills a
-server's whole process tree and nothing else on the machine; and an `mlflow server` that can
-be killed and started again on the same port and store, as in an outage."""
+server's whole process tree and nothing else on the machine; a two-node Ray cluster of real
+`ray start` processes (one session per node, so killing a session is losing that node); and an
+`mlflow server` that can be killed and started again on the same port and store, as in an outage."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -109,6 +111,44 @@ def wait_until(check, timeout_s: float, what: str, sessions: Sessions, name: str
             raise RuntimeError(f"{name} exited ({sessions.procs[name].returncode}):\n{sessions.log(name)}")
         time.sleep(0.5)
     raise TimeoutError(f"{what} not ready after {timeout_s:g} s:\n{sessions.log(name)}")
+
+
+def start_two_node_cluster(sessions: Sessions, head_cpus: int, node_cpus: int, node_resources: dict[str, float],
+                           head_resources: dict[str, float] | None = None) -> dict:
+    """A head and a second node (custom resources on each), each a real `ray start --block` in its own
+    session, the job server on loopback. Returns the job server's address, both node ids, the head's
+    IP and the name of the second node's session (`sessions.kill_session(name)` loses that node)."""
+    gcs, dashboard = free_port(), free_port()
+    common = ["--block", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    head_argv = [
+        str(BIN / "ray"), "start", "--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
+        "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+        "--temp-dir", str(sessions.folder / "head"), "--num-cpus", str(head_cpus),
+        "--resources", json.dumps(head_resources or {}), *common,
+    ]
+    address = f"http://127.0.0.1:{dashboard}"
+    sessions.start_until_ready("ray-head", head_argv, env, lambda: http_ok(f"{address}/api/version"), 120)
+    node_argv = [
+        str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--resources", json.dumps(node_resources),
+        "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+        # Its own temp dir, as on a separate machine: nodes sharing one would share the unpacked
+        # working dir, and one node's runtime-env agent deletes it under the other's job driver.
+        "--temp-dir", str(sessions.folder / "node2"), "--num-cpus", str(node_cpus), *common,
+    ]
+    from ray.util.state import list_nodes
+
+    def two_nodes():
+        alive = list_nodes(address=address, filters=[("state", "=", "ALIVE")])
+        return alive if len(alive) == 2 else None
+
+    nodes = sessions.start_until_ready("ray-node2", node_argv, env, two_nodes, 120)
+    head = next(node for node in nodes if node.is_head_node)
+    second = next(node.node_id for node in nodes if not node.is_head_node)
+    session = next(name for name in reversed(sessions.procs) if name.startswith("ray-node2-"))
+    return {"address": address, "head": head.node_id, "second": second, "node_ip": head.node_ip,
+            "second_session": session}
 
 
 def http_ok(url: str) -> bool:

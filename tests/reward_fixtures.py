@@ -62,9 +62,19 @@ def troublemaker(completions, prompt_id, answer, **kwargs):
 def slow_exact(completions, answer, **kwargs):
     """arithmetic_exact, a quarter of a second late: paces a fault test's job so that a kill decided
     on the step the driver reports lands while that step's neighbours are still being made."""
+    return _exact_after(0.25, completions, answer, **kwargs)
+
+
+def slower_exact(completions, answer, **kwargs):
+    """arithmetic_exact, a second late: paces a job whose kill is decided from logs that arrive late
+    (`streamrl submit` polls the job's logs every second)."""
+    return _exact_after(1.0, completions, answer, **kwargs)
+
+
+def _exact_after(seconds, completions, answer, **kwargs):
     import time
 
     from operators.reward import arithmetic_exact
 
-    time.sleep(0.25)
+    time.sleep(seconds)
     return arithmetic_exact(completions, answer=answer, **kwargs)

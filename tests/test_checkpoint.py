@@ -205,6 +205,9 @@ def test_process_deaths_are_told_apart_from_bugs():
             raise RuntimeError("map_batches(Train) failed") from inner
     except RuntimeError as outer:
         assert is_process_death(outer)
+    # a surviving rank's all_reduce when its peer's node is gone (gloo's words, measured in test_node_loss)
+    assert is_process_death(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                         "[127.0.0.1]:22447. This is typically caused by a remote worker crashing."))
     assert not is_process_death(ValueError("a bug"))
     assert not is_process_death(NonFiniteError("loss is nan"))
 

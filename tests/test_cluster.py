@@ -14,17 +14,15 @@ Ray cluster on the machine (no `ray stop`).
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from mlflow_server import BIN, Sessions, free_port, http_ok, session_members, wait_until
+from mlflow_server import BIN, Sessions, free_port, http_ok, session_members, start_two_node_cluster, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -32,51 +30,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers():
-    # Short path: Ray's unix sockets live under the temp dir and paths must stay < 108 bytes.
-    folder = Path(tempfile.mkdtemp(prefix="srl-", dir="/tmp"))
-    sessions = Sessions(folder)
-    try:
-        yield sessions
-    finally:
-        try:
-            sessions.stop()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def cluster(servers):
     """Head (2 CPUs) + second node (2 CPUs, resource rollout_node), job server on loopback."""
-    gcs, dashboard = free_port(), free_port()
-    common = ["--block", "--num-cpus", "2", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    head_argv = [
-        str(BIN / "ray"), "start", "--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
-        "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
-        "--temp-dir", str(servers.folder / "head"), *common,
-    ]
-    address = f"http://127.0.0.1:{dashboard}"
-    servers.start_until_ready("ray-head", head_argv, env, lambda: http_ok(f"{address}/api/version"), 120)
-    node_argv = [
-        str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--resources", json.dumps({"rollout_node": 2}),
-        "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
-        # Its own temp dir, as on a separate machine: nodes sharing one would share the unpacked
-        # working dir, and one node's runtime-env agent deletes it under the other's job driver.
-        "--temp-dir", str(servers.folder / "node2"), *common,
-    ]
-    from ray.util.state import list_nodes
-
-    def two_nodes():
-        alive = list_nodes(address=address, filters=[("state", "=", "ALIVE")])
-        return alive if len(alive) == 2 else None
-
-    nodes = servers.start_until_ready("ray-node2", node_argv, env, two_nodes, 120)
-    head = next(node.node_id for node in nodes if node.is_head_node)
-    second = next(node.node_id for node in nodes if not node.is_head_node)
-    node_ip = next(node.node_ip for node in nodes if node.is_head_node)
-    return {"address": address, "head": head, "second": second, "node_ip": node_ip}
+    return start_two_node_cluster(servers, head_cpus=2, node_cpus=2, node_resources={"rollout_node": 2})
 
 
 @pytest.fixture(scope="module")

@@ -52,18 +52,20 @@ def config(output_dir: Path, config_file: str = "tiny_grpo.yaml", **extra):
     return load_config(ROOT / "configs" / config_file, overrides(output_dir, **extra))
 
 
-def final_ledger(output_dir: Path, run_id: str) -> pd.DataFrame:
+def final_ledger(output_dir: Path, run_id: str, steps: int = STEPS) -> pd.DataFrame:
     checkpoint = CheckpointDir.of_run(output_dir, run_id).latest_valid()
-    assert checkpoint is not None and checkpoint.step == STEPS, checkpoint
+    assert checkpoint is not None and checkpoint.step == steps, checkpoint
     return checkpoint.ledger()
 
 
-def assert_exactly_once(ledger: pd.DataFrame, max_staleness: int) -> None:
-    expected = {f"arith-{index:05d}" for index in range(PROMPTS)}
-    assert len(ledger) == PROMPTS, ledger
+def assert_exactly_once(ledger: pd.DataFrame, max_staleness: int, steps: int = STEPS, groups: int = GROUPS) -> None:
+    """One epoch of steps x groups prompts: each trained once, in its step, within the staleness bound."""
+    prompts = steps * groups
+    expected = {f"arith-{index:05d}" for index in range(prompts)}
+    assert len(ledger) == prompts, ledger
     assert ledger["group_uid"].is_unique and ledger["prompt_id"].is_unique
     assert set(ledger["prompt_id"]) == expected
-    assert ledger.groupby("train_step").size().to_dict() == {step: GROUPS for step in range(STEPS)}
+    assert ledger.groupby("train_step").size().to_dict() == {step: groups for step in range(steps)}
     assert ledger["trained"].all()
     assert (ledger["staleness"] == ledger["train_step"] - ledger["policy_version"]).all()
     assert ledger["staleness"].between(0, max_staleness).all(), ledger["staleness"].value_counts()
