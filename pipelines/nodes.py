@@ -21,7 +21,6 @@ When a whole node goes (its machine, or every process of it, raylet included):
 
 from __future__ import annotations
 
-import _thread
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Callable
 import ray
 
 from pipelines.config import JobConfig
+from pipelines.preemption import interrupt_main_thread
 from pipelines.resources import live_nodes, plan_problems
 from pipelines.resume import AttemptFailed
 
@@ -132,7 +132,7 @@ class NodeWatch:
             with self._lock:
                 if not self._done.is_set():
                     self.lost = why
-                    _thread.interrupt_main()  # the main thread waits in the DAG's iterator
+                    interrupt_main_thread()  # the main thread waits in the DAG's iterator
             return
 
 

@@ -31,6 +31,19 @@ import ray
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped on a signal, resumable with the printed command
 
 
+def interrupt_main_thread() -> None:
+    """KeyboardInterrupt in the main thread, also while it blocks in an untimed lock or queue wait.
+
+    `_thread.interrupt_main()` only sets the flag Python checks between bytecodes, and a main thread
+    blocked in `Condition.wait()` (Ray Data's iterator waiting for a block that never comes) never
+    runs one: the interrupt waited forever (seen in the node-loss test). A real SIGINT sent to the
+    main thread ends the wait (EINTR) and Python runs its handler there."""
+    if callable(signal.getsignal(signal.SIGINT)):  # a Python handler: default_int_handler raises KeyboardInterrupt
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    else:  # SIGINT ignored or at the OS default (which would end the process): only the flag
+        _thread.interrupt_main()
+
+
 class Preempted(BaseException):
     """The job stopped on SIGTERM (a BaseException, like KeyboardInterrupt: no retry catches it).
     `step`: the checkpoint a resume starts from; `finished_step`: whether the step in progress was
@@ -145,4 +158,4 @@ class Preemption:
         if self._installed and self._armed:
             self.grace_expired = True
             self.echo("streamrl: the grace period is running out before the step ended: stopping now")
-            _thread.interrupt_main()  # KeyboardInterrupt in the main thread, where the job waits
+            interrupt_main_thread()  # the main thread waits in the DAG's iterator

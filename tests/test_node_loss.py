@@ -9,9 +9,12 @@ and the final ledger holds every group trained exactly once within the staleness
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +67,11 @@ def test_worker_node_killed_midjob_job_replans_on_the_head(cluster, servers, tmp
     submit = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     lines, killed_at, where = [], None, {}
+    # the read loop below ends at EOF only: a job that never ends is killed (whole session) by a watchdog
+    # so the test fails with its log instead of hanging until pytest's timeout
+    watchdog = threading.Timer(600, lambda: os.killpg(submit.pid, signal.SIGKILL))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         for line in submit.stdout:
             lines.append(line)
@@ -79,6 +87,7 @@ def test_worker_node_killed_midjob_job_replans_on_the_head(cluster, servers, tmp
                     print(f"--- killed node {cluster['second'][:8]} ---", flush=True)
         code = submit.wait(timeout=300)
     finally:
+        watchdog.cancel()
         if submit.poll() is None:
             submit.kill()
     text = "".join(lines)

@@ -4,12 +4,14 @@ job stopped by SIGTERM and resumed is in tests/test_faults.py."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import threading
 import time
 
 import pytest
 
-from pipelines.preemption import Preempted, Preemption
+from pipelines.preemption import Preempted, Preemption, interrupt_main_thread
 
 
 def _wait_for_signal(seconds: float = 10.0) -> None:
@@ -17,6 +19,29 @@ def _wait_for_signal(seconds: float = 10.0) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(0.01)
+
+
+def _block_like_the_dag(late: threading.Event, seconds: float = 20.0) -> None:
+    """What the driver's main thread does while Ray Data waits for a block: an untimed Condition.wait,
+    no bytecodes run. After `seconds` a thread sets `late` and ends the wait, so an interrupt that does
+    not end the wait fails the test (late is set) instead of hanging it."""
+    waiting: queue.Queue = queue.Queue()
+
+    def end_the_wait():
+        time.sleep(seconds)
+        late.set()
+        waiting.put("the wait ended by itself")
+
+    threading.Thread(target=end_the_wait, daemon=True).start()
+    waiting.get()
+
+
+def test_interrupt_main_thread_ends_an_untimed_wait():
+    late = threading.Event()
+    threading.Timer(0.2, interrupt_main_thread).start()
+    with pytest.raises(KeyboardInterrupt):
+        _block_like_the_dag(late)
+    assert not late.is_set()  # _thread.interrupt_main() alone waited here until the wait ended
 
 
 def test_abandon_step_stops_at_once_and_the_old_handler_comes_back():
@@ -48,13 +73,13 @@ def test_finish_step_sets_the_flag_the_train_operator_reads_and_a_second_signal_
 
 
 def test_a_step_that_outlasts_the_grace_period_is_abandoned():
-    lines = []
+    lines, late = [], threading.Event()
     preemption = Preemption("finish_step", 0.5, lines.append)
     with pytest.raises(KeyboardInterrupt):
         with preemption:
             os.kill(os.getpid(), signal.SIGTERM)
-            _wait_for_signal()  # a step that never ends
-    assert preemption.grace_expired and "grace period" in lines[-1]
+            _block_like_the_dag(late)  # a step that never ends
+    assert preemption.grace_expired and "grace period" in lines[-1] and not late.is_set()
 
 
 def test_a_disarmed_stop_is_not_interrupted_by_the_watchdog():
