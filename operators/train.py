@@ -35,11 +35,11 @@ import pandas as pd
 
 # `policy_version` is the oldest version that sampled a token of the group (what staleness counts),
 # `policy_version_max` the newest: they differ only under partial rollout, where `token_policy_versions`
-# gives the version of every response token.
+# gives the version of every response token; `generator_id` the generate actor (host:pid) that sampled it.
 ROLLOUT_COLUMNS = [
     "prompt_id", "group_uid", "epoch", "policy_version", "policy_version_max", "train_step", "staleness", "prompt",
     "responses", "response_lengths", "token_policy_versions", "rewards", "advantages", "reward_errors",
-    "reward_timeouts", "used", "dropped",
+    "reward_timeouts", "used", "dropped", "generator_id",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
 # Wall-clock stamps a group collects on its way to a train step (Generate's, Reward's with timestamps=True, and
@@ -374,9 +374,10 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
 # read (checkpoints carry it: pipelines/checkpoint.py). `used`: the group was in its step's update (dynamic
 # sampling leaves some out, `dropped` says why: zero_variance or surplus); `trained`: the step's update was
 # applied (not skipped for a non-finite loss). `policy_version` / `policy_version_max`: the oldest / newest
-# version that sampled a token of the group.
+# version that sampled a token of the group. `generator_id`: the generate actor that sampled it (host:pid), so
+# a fault or an autoscaled pool can be traced to the actor (empty in ledgers written before it was kept).
 LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "policy_version_max", "staleness",
-                  "trained", "used", "dropped"]
+                  "trained", "used", "dropped", "generator_id"]
 
 
 def _ledger_rows(table: pd.DataFrame, trained: bool) -> pd.DataFrame:

@@ -8,10 +8,10 @@ every problem with its field path and the fix, so a user fixes the file in one p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 BUILTIN_DATASET_PREFIX = "builtin:"
@@ -56,7 +56,32 @@ def _positive_resources(resources: dict[str, float]) -> dict[str, float]:
     return resources
 
 
+def _actor_count(value):
+    """A count (4) or a range min-max ('1-4', [1, 4]) of actors; a range whose ends agree is a count."""
+    bounds = value
+    if isinstance(value, str):
+        text = value.strip()
+        bounds = text.split("-", 1) if "-" in text else text
+    if isinstance(bounds, (list, tuple)):
+        try:
+            low, high = (int(str(bound).strip()) for bound in bounds)
+        except ValueError:
+            raise ValueError(f"{value!r}: give a count (4) or a range min-max ('1-4' or [1, 4])") from None
+        if not 1 <= low <= high:
+            raise ValueError(f"{value!r}: a range min-max needs 1 <= min <= max, e.g. '1-4'")
+        return low if low == high else (low, high)
+    try:
+        count = int(bounds)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r}: give a count (4) or a range min-max ('1-4' or [1, 4])") from None
+    if count < 1 or count != bounds and not isinstance(bounds, str):
+        raise ValueError(f"{value!r}: a count of actors is a whole number >= 1 (or a range min-max, '1-4')")
+    return count
+
+
 GpuCount = Annotated[float, Field(ge=0), AfterValidator(_schedulable_gpus)]
+# A fixed pool (an int) or Ray Data's autoscaling actor pool between two sizes (a (min, max) tuple).
+ActorCount = Annotated[Union[int, tuple[int, int]], BeforeValidator(_actor_count)]
 CustomResources = Annotated[dict[str, float], AfterValidator(_positive_resources)]
 
 
@@ -173,7 +198,19 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, ge=1, description="Most tokens generated per response.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    num_actors: int = Field(1, ge=1, description="Generate actors in the pool.")
+    num_actors: ActorCount = Field(
+        1, description="Generate actors in the pool: a count, or a range min-max ('1-4', or [1, 4]) for Ray Data's "
+        "autoscaling actor pool. A range starts min actors and adds more, up to max, while they are all busy and the "
+        "cluster has room (a node that joins mid-job); idle ones leave. An actor that joins loads the newest policy "
+        "version before its first group; one that leaves, or is lost with its node, loses no group (its groups "
+        "are generated again). The job must fit with min actors."
+    )
+    replace_wait_s: float = Field(
+        120, gt=0, description="After a node is lost (on a cluster), how long Ray may take to restart the generate "
+        "and reward actors that ran there on the nodes left (a model load; minutes for a large vLLM engine). Past "
+        "it, actors still not restarted (no room for them) end the attempt, which restarts from the last "
+        "checkpoint with the pool that fits: Ray Data would wait for their groups forever."
+    )
     groups_per_call: int = Field(
         4, ge=1, description="Prompt groups per generate call; must divide train.groups_per_step. "
         "Smaller calls let fast actors pull more work."
@@ -261,8 +298,24 @@ class RolloutConfig(_Section):
                 f"rollout.vllm.tensor_parallel_size: 1 uses one; set tensor_parallel_size: {gpus:g} to split the "
                 "engine over them, or rollout.num_gpus: 1 (more engines: rollout.num_actors)"
             )
+        if tp > 1 and isinstance(self.num_actors, tuple):
+            problems.append(
+                f"rollout.num_actors: a range ({self.min_actors}-{self.max_actors}) needs tensor_parallel_size 1: each "
+                f"tensor-parallel engine's GPUs are reserved as a placement group before the job starts; give a "
+                f"count (e.g. {self.max_actors}), or rollout.vllm.tensor_parallel_size: 1"
+            )
         _raise_at(problems)
         return self
+
+    @property
+    def min_actors(self) -> int:
+        """Generate actors the pool starts with and keeps (the count, or a range's min)."""
+        return self.num_actors[0] if isinstance(self.num_actors, tuple) else self.num_actors
+
+    @property
+    def max_actors(self) -> int:
+        """Generate actors the pool may grow to (the count, or a range's max)."""
+        return self.num_actors[1] if isinstance(self.num_actors, tuple) else self.num_actors
 
     def uses_in_flight(self) -> bool:
         return has_in_flight_form(self.engine) if self.in_flight is None else bool(self.in_flight)

@@ -121,6 +121,13 @@ def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = 
     return options
 
 
+def pool_size(low: int, high: int) -> dict:
+    """ActorPoolStrategy's size arguments: a fixed pool, or Ray Data's autoscaling pool from `low` to `high`
+    (it starts `low` actors, adds one while every actor is busy and the cluster has room, and removes idle
+    ones; a new generate actor pulls the newest policy version before its first group)."""
+    return {"size": low} if low == high else {"min_size": low, "max_size": high, "initial_size": low}
+
+
 def replica_placement(cfg: JobConfig) -> ReplicaPlacement | None:
     """A placement group per generate actor when one engine spans several devices (None otherwise: a
     one-device engine is one actor's reservation, which Ray already keeps on one node). Whoever runs the
@@ -130,7 +137,7 @@ def replica_placement(cfg: JobConfig) -> ReplicaPlacement | None:
         return None
     return ReplicaPlacement(
         engine_bundles(rollout.vllm.tensor_parallel_size, rollout.num_cpus, rollout.num_gpus, rollout.resources),
-        replicas=rollout.num_actors,
+        replicas=rollout.min_actors,  # a count: a range needs tensor_parallel_size 1 (config)
     )
 
 
@@ -235,7 +242,8 @@ def build_rl_dataset(
         # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time, with the
         # next one already queued at the actor (it starts the moment its version is out, not one executor
         # round trip after the previous call ended).
-        compute=ActorPoolStrategy(size=cfg.rollout.num_actors, max_tasks_in_flight_per_actor=queued,
+        compute=ActorPoolStrategy(**pool_size(cfg.rollout.min_actors, cfg.rollout.max_actors),
+                                  max_tasks_in_flight_per_actor=queued,
                                   max_concurrent_calls_per_actor=calls if in_flight else None,
                                   enable_true_multi_threading=True if in_flight else None),
         batch_size=None, batch_format="pandas", options=generate_options,

@@ -6,8 +6,11 @@ When a whole node goes (its machine, or every process of it, raylet included):
   trainer rank, or the job no longer fits the nodes left, the attempt cannot go on: nothing may
   ever call the dead rank (the DAG can wait forever for a group whose generate actor Ray Data
   cannot re-place), so the watch interrupts the driver's main thread and the attempt ends as a
-  process death. Otherwise Ray Data replaces the generate and reward actors that ran there on the
-  nodes left and retries their groups; the attempt goes on.
+  process death. Otherwise Ray restarts the generate and reward actors that ran there on the
+  nodes left and Ray Data retries their groups there; the attempt goes on. If some cannot be
+  restarted (no room left for them: an autoscaled pool that had grown onto the lost node), Ray
+  Data would wait for them forever; after `rollout.replace_wait_s` the watch ends the attempt the same way, and
+  the restart runs the pool at the size that fits. Nodes that join mid-attempt are watched too.
 - A restart (pipelines/grpo.py) first confirms which nodes are gone: Ray's GCS takes a while to
   mark a node dead (missed health checks, ~10-15 s with Ray's defaults) and until then it still
   schedules actors there, so a restart that started at once would put a trainer bundle on the dead
@@ -90,20 +93,24 @@ class NodeWatch:
     """While an attempt's DAG runs: when Ray marks a node dead that held a trainer rank (from the
     group's `placement`), or without which the job no longer fits, set `lost` (why) and interrupt the
     main thread (KeyboardInterrupt there; the caller turns it into a process death when `lost` is set).
-    A lost node that held only generate or reward actors, with room left for them, is only reported.
-    Does nothing on a one-node cluster: the driver's node is lost only with the driver."""
+    A lost node that held only generate or reward actors, with room left for them, is only reported,
+    unless those actors are still not restarted `rollout.replace_wait_s` later (then the same interrupt). Nodes
+    that join during the attempt (an autoscaled pool grows onto them) are watched from then on. Does
+    nothing on a one-node cluster: the driver's node is lost only with the driver."""
 
     def __init__(self, cfg: JobConfig, placement: list[dict], echo: Callable[[str], None], poll_s: float = 2.0):
-        self.cfg, self.echo, self.poll_s = cfg, echo, poll_s
+        self.cfg, self.echo, self.poll_s, self.replace_s = cfg, echo, poll_s, cfg.rollout.replace_wait_s
         self.ranks = {rank["rank"]: rank["node_id"] for rank in placement}
         self.known = alive_node_ids()
         self.lost: str | None = None
+        self._replaced_by: float | None = None  # when the DAG's actors of a lost node must be back
+        self._job_id = ray.get_runtime_context().get_job_id()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="streamrl-node-watch", daemon=True)
 
     def start(self) -> "NodeWatch":
-        if len(self.known) > 1:
+        if len(self.known) > 1 or isinstance(self.cfg.rollout.num_actors, tuple):  # an elastic pool: nodes may join
             self._thread.start()
         return self
 
@@ -114,26 +121,50 @@ class NodeWatch:
 
     def _watch(self) -> None:
         while not self._done.wait(self.poll_s):
-            nodes = ray.nodes()
-            gone = [node for node in nodes if node["NodeID"] in self.known and not node.get("Alive")]
-            if not gone:
-                continue
+            why = self._check()
+            if why is not None:
+                with self._lock:
+                    if not self._done.is_set():
+                        self.lost = why
+                        interrupt_main_thread()  # the main thread waits in the DAG's iterator
+                return
+
+    def _check(self) -> str | None:
+        """Why the attempt cannot go on, or None."""
+        nodes = ray.nodes()
+        self.known |= {node["NodeID"] for node in nodes if node.get("Alive")}  # joined since the last look
+        gone = [node for node in nodes if node["NodeID"] in self.known and not node.get("Alive")]
+        if gone:
             self.known -= {node["NodeID"] for node in gone}
             ranks = [rank for rank, node_id in sorted(self.ranks.items()) if node_id not in self.known]
             where = ", ".join(map(describe, gone))
             if ranks:
-                why = f"{where} was lost with trainer rank(s) {', '.join(map(str, ranks))}"
-            elif problems := _problems_on(self.cfg, [node for node in nodes if node.get("Alive")]):
-                why = f"{where} was lost, and the job no longer fits the nodes left ({problems[0]})"
-            else:
-                self.echo(f"streamrl: lost {where}: Ray Data replaces the generate and reward actors that ran "
-                          "there on the nodes left and generates their groups again")
-                continue
-            with self._lock:
-                if not self._done.is_set():
-                    self.lost = why
-                    interrupt_main_thread()  # the main thread waits in the DAG's iterator
-            return
+                return f"{where} was lost with trainer rank(s) {', '.join(map(str, ranks))}"
+            if problems := _problems_on(self.cfg, [node for node in nodes if node.get("Alive")]):
+                return f"{where} was lost, and the job no longer fits the nodes left ({problems[0]})"
+            self.echo(f"streamrl: lost {where}: Ray restarts the generate and reward actors that ran there on the "
+                      f"nodes left and Ray Data generates their groups again (at most {self.replace_s:g} s, or the "
+                      "attempt restarts from the last checkpoint)")
+            self._replaced_by = time.monotonic() + self.replace_s
+        if self._replaced_by is not None and time.monotonic() >= self._replaced_by:
+            stuck = self._restarting_actors()
+            if stuck != 0:
+                count = "some" if stuck is None else str(stuck)
+                return (f"{count} actor(s) of the DAG lost with a node were not restarted within {self.replace_s:g} s "
+                        "(no room left for them on the nodes left; Ray Data would wait for their groups forever)")
+            self._replaced_by = None
+        return None
+
+    def _restarting_actors(self) -> int | None:
+        """This job's Ray Data actors (class MapWorker(...)) that Ray is still restarting; None when the state
+        API (the dashboard) cannot say."""
+        from ray.util.state import list_actors
+
+        try:
+            actors = list_actors(filters=[("state", "=", "RESTARTING"), ("job_id", "=", self._job_id)], limit=10000)
+        except Exception:  # a cluster started without its dashboard: assume the worst (a restart loses nothing)
+            return None
+        return sum(1 for actor in actors if actor.class_name.startswith("MapWorker("))
 
 
 def replan(cfg: JobConfig, echo: Callable[[str], None], poll_s: float = 2.0) -> JobConfig:
@@ -180,9 +211,10 @@ def _fewer_actors(cfg: JobConfig, nodes: list, echo: Callable[[str], None]) -> J
     if plan_problems(fitted, nodes):
         return None
     for name in _ELASTIC_POOLS:
-        wanted = getattr(cfg, name).num_actors
+        section = getattr(cfg, name)
+        wanted = getattr(section, "min_actors", section.num_actors)  # a range (rollout) must fit its min
         count = next((n for n in range(wanted, 1, -1) if not plan_problems(_with_actors(fitted, {name: n}), nodes)), 1)
-        fitted = _with_actors(fitted, {name: count})
+        fitted = _with_actors(fitted, {name: section.num_actors if count == wanted else count})
         if count < wanted:
             echo(f"streamrl: the nodes left hold {count} of the {wanted} actors of {name}.num_actors; going on "
                  f"with {count}")

@@ -58,7 +58,7 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
     return {
         "train": Demand("train", cfg.train.world_size, _actor(cfg.train.num_cpus, cfg.train.num_gpus, cfg.train.resources)),
         "generate": Demand(
-            "generate", cfg.rollout.num_actors, _actor(cfg.rollout.num_cpus, cfg.rollout.num_gpus, cfg.rollout.resources)
+            "generate", cfg.rollout.min_actors, _actor(cfg.rollout.num_cpus, cfg.rollout.num_gpus, cfg.rollout.resources)
         ),
         **({"reward": Demand("reward", cfg.reward.num_actors, _actor(cfg.reward.num_cpus, 0, {}))}
            if cfg.reward.placement == "stage" else {}),  # "generate": inside the generate actors

@@ -23,7 +23,7 @@ from pipelines.config import ConfigError, JobConfig, flatten
 MAY_CHANGE = (
     "tracking.", "ray.", "output_dir", "train.steps", "train.checkpoint_every", "train.checkpoint_keep",
     "train.max_restarts", "train.node_wait_s", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
-    "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.num_cpus",
+    "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.replace_wait_s", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
     "reward.placement", "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
     "train.on_preempt", "train.preempt_grace_s", "train.weight_bucket_mb", "rollout.vllm.tensor_parallel_size",

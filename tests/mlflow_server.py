@@ -113,42 +113,63 @@ def wait_until(check, timeout_s: float, what: str, sessions: Sessions, name: str
     raise TimeoutError(f"{what} not ready after {timeout_s:g} s:\n{sessions.log(name)}")
 
 
-def start_two_node_cluster(sessions: Sessions, head_cpus: int, node_cpus: int, node_resources: dict[str, float],
-                           head_resources: dict[str, float] | None = None) -> dict:
-    """A head and a second node (custom resources on each), each a real `ray start --block` in its own
-    session, the job server on loopback. Returns the job server's address, both node ids, the head's
-    IP and the name of the second node's session (`sessions.kill_session(name)` loses that node)."""
+def start_head(sessions: Sessions, cpus: int, resources: dict[str, float] | None = None) -> dict:
+    """A head node (`ray start --head --block` in a session of its own), the job server on loopback.
+    Returns the job server's `address`, the `gcs` port nodes join on and the `head` node id."""
     gcs, dashboard = free_port(), free_port()
-    common = ["--block", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    head_argv = [
+    argv = [
         str(BIN / "ray"), "start", "--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
         "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
         "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
-        "--temp-dir", str(sessions.folder / "head"), "--num-cpus", str(head_cpus),
-        "--resources", json.dumps(head_resources or {}), *common,
+        "--temp-dir", str(sessions.folder / "head"), "--num-cpus", str(cpus),
+        "--resources", json.dumps(resources or {}), *_COMMON,
     ]
     address = f"http://127.0.0.1:{dashboard}"
-    sessions.start_until_ready("ray-head", head_argv, env, lambda: http_ok(f"{address}/api/version"), 120)
-    node_argv = [
-        str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--resources", json.dumps(node_resources),
+    (head,) = sessions.start_until_ready("ray-head", argv, _ENV,
+                                         lambda: http_ok(f"{address}/api/version") and _alive_nodes(address), 120)
+    return {"address": address, "gcs": gcs, "head": head.node_id, "node_ip": head.node_ip}
+
+
+def add_node(sessions: Sessions, cluster: dict, name: str, cpus: int, resources: dict[str, float] | None = None) -> dict:
+    """Another node joins `cluster` (start_head's): a real `ray start --block` in a session of its own.
+    Returns its `node_id` and `session` (`sessions.kill_session(session)` loses that node: raylet, object
+    store and every worker it started)."""
+    before = {node.node_id for node in _alive_nodes(cluster["address"])}
+    argv = [
+        str(BIN / "ray"), "start", "--address", f"127.0.0.1:{cluster['gcs']}", "--resources", json.dumps(resources or {}),
         "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
         # Its own temp dir, as on a separate machine: nodes sharing one would share the unpacked
         # working dir, and one node's runtime-env agent deletes it under the other's job driver.
-        "--temp-dir", str(sessions.folder / "node2"), "--num-cpus", str(node_cpus), *common,
+        "--temp-dir", str(sessions.folder / name), "--num-cpus", str(cpus), *_COMMON,
     ]
+
+    def joined():
+        new = [node for node in _alive_nodes(cluster["address"]) if node.node_id not in before]
+        return new or None
+
+    (node,) = sessions.start_until_ready(f"ray-{name}", argv, _ENV, joined, 120)
+    session = next(proc for proc in reversed(sessions.procs) if proc.startswith(f"ray-{name}-"))
+    return {"node_id": node.node_id, "session": session}
+
+
+def start_two_node_cluster(sessions: Sessions, head_cpus: int, node_cpus: int, node_resources: dict[str, float],
+                           head_resources: dict[str, float] | None = None) -> dict:
+    """A head and a second node (custom resources on each). Returns the job server's address, both node
+    ids, the head's IP and the name of the second node's session (`sessions.kill_session(name)` loses
+    that node)."""
+    cluster = start_head(sessions, head_cpus, head_resources)
+    node = add_node(sessions, cluster, "node2", node_cpus, node_resources)
+    return {**cluster, "second": node["node_id"], "second_session": node["session"]}
+
+
+def _alive_nodes(address: str) -> list:
     from ray.util.state import list_nodes
 
-    def two_nodes():
-        alive = list_nodes(address=address, filters=[("state", "=", "ALIVE")])
-        return alive if len(alive) == 2 else None
+    return list_nodes(address=address, filters=[("state", "=", "ALIVE")])
 
-    nodes = sessions.start_until_ready("ray-node2", node_argv, env, two_nodes, 120)
-    head = next(node for node in nodes if node.is_head_node)
-    second = next(node.node_id for node in nodes if not node.is_head_node)
-    session = next(name for name in reversed(sessions.procs) if name.startswith("ray-node2-"))
-    return {"address": address, "head": head.node_id, "second": second, "node_ip": head.node_ip,
-            "second_session": session}
+
+_COMMON = ["--block", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
+_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def http_ok(url: str) -> bool:

@@ -174,3 +174,24 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
     assert set(CRITIC_SETTINGS) <= set(POLICY_SETTINGS)
     critic = critic_settings(cfg, "critic")
     assert critic.lr == 0.01 and critic.micro_batch_tokens == built.micro_batch_tokens
+
+
+def test_generate_actors_a_count_or_a_range(tmp_path):
+    from pipelines.grpo import pool_size
+    from pipelines.resources import demands
+
+    for given in ("1-4", "[1, 4]", " 1 - 4 "):
+        cfg = load_config(TINY, [f"rollout.num_actors={given}"])
+        assert cfg.rollout.num_actors == (1, 4) and (cfg.rollout.min_actors, cfg.rollout.max_actors) == (1, 4)
+        assert demands(cfg)["generate"].count == 1  # the plan needs the minimum to fit
+        assert pool_size(1, 4) == {"min_size": 1, "max_size": 4, "initial_size": 1}
+    fixed = load_config(TINY, ["rollout.num_actors=3-3"])
+    assert fixed.rollout.num_actors == 3 and pool_size(3, 3) == {"size": 3}
+    # a range survives the JSON round trip a resume makes (run.json)
+    assert JobConfig.model_validate(load_config(TINY, ["rollout.num_actors=2-5"]).model_dump(mode="json")).rollout.num_actors == (2, 5)
+    for bad, says in (("0-2", "1 <= min <= max"), ("4-1", "1 <= min <= max"), ("many", "a range min-max"),
+                      ("2.5", "whole number"), ("[1, 2, 3]", "a range min-max")):
+        problems = problems_of(tmp_path, {"rollout": {"num_actors": yaml.safe_load(bad)}})
+        assert list(problems) == ["rollout.num_actors"] and says in problems["rollout.num_actors"], (bad, problems)
+    problems = problems_of(tmp_path, {"rollout": {"num_actors": "1-3", "engine": "vllm", "vllm": {"tensor_parallel_size": 2}}})
+    assert list(problems) == ["rollout.num_actors"] and "needs tensor_parallel_size 1" in problems["rollout.num_actors"]

@@ -127,6 +127,11 @@ def test_replan_on_the_nodes_left(ray_cluster):
     crowded = load_config(None, ["rollout.n=4", "rollout.num_actors=8", "rollout.num_cpus=0.5"])
     assert replan(crowded, lines.append).rollout.num_actors == 2  # 2 CPUs: 0.5 rank + 0.1 helper + 2 x 0.5
     assert lines.pop() == "streamrl: the nodes left hold 2 of the 8 actors of rollout.num_actors; going on with 2"
+    elastic = load_config(None, ["rollout.n=4", "rollout.num_actors=1-8", "rollout.num_cpus=0.5"])
+    assert replan(elastic, lines.append) is elastic and not lines  # the minimum fits: the pool grows as it can
+    too_many = load_config(None, ["rollout.n=4", "rollout.num_actors=3-8", "rollout.num_cpus=0.5"])
+    assert replan(too_many, lines.append).rollout.num_actors == 2
+    assert lines.pop() == "streamrl: the nodes left hold 2 of the 3 actors of rollout.num_actors; going on with 2"
     spread = load_config(None, ["rollout.n=4", "train.world_size=2", "train.placement=STRICT_SPREAD",
                                 "train.node_wait_s=1"])
     started = time.monotonic()
