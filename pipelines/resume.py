@@ -40,8 +40,10 @@ _PROCESS_DEATHS = (
     "OwnerDiedError", "ObjectLostError", "ObjectReconstructionFailedError", "ActorPlacementGroupRemoved",
 )
 # What a surviving trainer rank's collective raises when a peer rank's process is gone (torch.distributed's
-# gloo transport); with a node lost it can arrive before Ray reports the dead rank.
-_PEER_DEATHS = ("Connection closed by peer",)
+# gloo transport, pair.cc: a read that finds the socket closed, or reset, a write that finds it gone); with
+# a node lost it can arrive before Ray reports the dead rank. "Connection reset by peer" came up in the chaos
+# run (benchmarks/chaos.py: a node killed mid-step) and failed the job instead of restarting it.
+_PEER_DEATHS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def resolve_run(output_dir: Path, resume: str) -> str:
@@ -154,7 +156,7 @@ def is_process_death(err: BaseException) -> bool:
         chain += [getattr(current, "cause", None), current.__cause__, current.__context__]
     # Ray Data re-raises a failed operator task as its own exception type with the original
     # traceback as text; the dead actor's error class is only visible there.
-    return any(name in text for name in _PROCESS_DEATHS + _PEER_DEATHS)
+    return any(name in text for name in _PROCESS_DEATHS) or ("gloo" in text and any(name in text for name in _PEER_DEATHS))
 
 
 def resume_command(config: str, overrides: list[str], run_id: str) -> str:

@@ -208,6 +208,10 @@ def test_process_deaths_are_told_apart_from_bugs():
     # a surviving rank's all_reduce when its peer's node is gone (gloo's words, measured in test_node_loss)
     assert is_process_death(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                                          "[127.0.0.1]:22447. This is typically caused by a remote worker crashing."))
+    # the same when the peer's node went mid-read (seen in benchmarks/chaos.py)
+    assert is_process_death(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                                         "error [127.0.0.1]:41138: Connection reset by peer."))
+    assert not is_process_death(ConnectionResetError("Connection reset by peer"))  # not a collective's
     assert not is_process_death(ValueError("a bug"))
     assert not is_process_death(NonFiniteError("loss is nan"))
 
