@@ -12,11 +12,39 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 BIN = Path(sys.executable).parent  # the venv's bin: `ray`, `mlflow`, and the jobs' `python`
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def submit_and_follow(address: str, sets: dict, on_line, timeout_s: float = 600) -> tuple[int, str]:
+    """`streamrl submit configs/tiny_grpo.yaml` with `sets` to the cluster at `address`, in a session of its
+    own; each line it prints is echoed and given to `on_line`. Returns its exit code and everything it printed.
+    The read loop ends at EOF only, so a job that never ends is killed (its whole session) after `timeout_s`
+    and the test fails with its log instead of hanging until pytest's timeout."""
+    argv = [sys.executable, "-m", "pipelines.cli", "submit", "configs/tiny_grpo.yaml", "--address", address]
+    argv += [part for key, value in sets.items() for part in ("--set", f"{key}={value}")]
+    submit = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    watchdog = threading.Timer(timeout_s, lambda: os.killpg(submit.pid, signal.SIGKILL))
+    watchdog.daemon = True
+    watchdog.start()
+    lines = []
+    try:
+        for line in submit.stdout:
+            lines.append(line)
+            print(line, end="", flush=True)
+            on_line(line)
+        code = submit.wait(timeout=300)
+    finally:
+        watchdog.cancel()
+        if submit.poll() is None:
+            submit.kill()
+    return code, "".join(lines)
 
 
 def free_port() -> int:

@@ -9,21 +9,13 @@ every group trained exactly once within the staleness bound.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import mlflow
 import pytest
-from mlflow_server import add_node, start_head
+from mlflow_server import add_node, start_head, submit_and_follow
 from test_faults import assert_exactly_once, final_ledger
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, GROUPS = 16, 4
 
 
@@ -52,42 +44,29 @@ def test_generators_join_with_a_node_and_leave_with_it(servers, tmp_path):
         # a reward a second late: one actor is always busy, so the pool wants more
         "reward.functions": "[{name: 'tests.reward_fixtures:slower_exact'}]",
     }
-    argv = [sys.executable, "-m", "pipelines.cli", "submit", "configs/tiny_grpo.yaml", "--address", cluster["address"]]
-    argv += [part for key, value in sets.items() for part in ("--set", f"{key}={value}")]
-    submit = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-    # the read loop ends at EOF only: a job that never ends is killed so the test fails with its log
-    watchdog = threading.Timer(600, lambda: os.killpg(submit.pid, signal.SIGKILL))
-    watchdog.daemon = True
-    watchdog.start()
-    lines, node, joined_at_step, joiners, alive_at_step, removed_at_step, step = [], None, None, {}, None, None, 0
-    try:
-        for line in submit.stdout:
-            lines.append(line)
-            print(line, end="", flush=True)
-            if match := re.match(r"step\s+(\d+)/", line):
-                step = int(match.group(1))
-            if node is None and "streamrl: checkpoint " in line:  # the job is under way: a node joins
-                node = add_node(servers, cluster, "node2", cpus=2)
-                joined_at_step = step
-                print(f"--- node {node['node_id'][:8]} joined after step {step} ---", flush=True)
-            elif node is not None and removed_at_step is None:
-                joiners.update({actor: pid for actor, (where, pid) in generate_actors(cluster["address"]).items()
-                                if where == node["node_id"]})
-                if joiners and alive_at_step is None:
-                    alive_at_step = step
-                    print(f"--- {len(joiners)} generate actor(s) up on the new node after step {step} ---", flush=True)
-                # two steps with the joiners at work are in a checkpoint, which the restart below keeps: the node goes
-                if alive_at_step is not None and "streamrl: checkpoint " in line and step >= alive_at_step + 2:
-                    servers.kill_session(node["session"])
-                    removed_at_step = step
-                    print(f"--- node {node['node_id'][:8]} killed after step {step} ---", flush=True)
-        code = submit.wait(timeout=300)
-    finally:
-        watchdog.cancel()
-        if submit.poll() is None:
-            submit.kill()
-    text = "".join(lines)
+    node, joined_at_step, joiners, alive_at_step, removed_at_step, step = None, None, {}, None, None, 0
+
+    def on_line(line: str) -> None:
+        nonlocal node, joined_at_step, alive_at_step, removed_at_step, step
+        if match := re.match(r"step\s+(\d+)/", line):
+            step = int(match.group(1))
+        if node is None and "streamrl: checkpoint " in line:  # the job is under way: a node joins
+            node = add_node(servers, cluster, "node2", cpus=2)
+            joined_at_step = step
+            print(f"--- node {node['node_id'][:8]} joined after step {step} ---", flush=True)
+        elif node is not None and removed_at_step is None:
+            joiners.update({actor: pid for actor, (where, pid) in generate_actors(cluster["address"]).items()
+                            if where == node["node_id"]})
+            if joiners and alive_at_step is None:
+                alive_at_step = step
+                print(f"--- {len(joiners)} generate actor(s) up on the new node after step {step} ---", flush=True)
+            # two steps with the joiners at work are in a checkpoint, which the restart below keeps: the node goes
+            if alive_at_step is not None and "streamrl: checkpoint " in line and step >= alive_at_step + 2:
+                servers.kill_session(node["session"])
+                removed_at_step = step
+                print(f"--- node {node['node_id'][:8]} killed after step {step} ---", flush=True)
+
+    code, text = submit_and_follow(cluster["address"], sets, on_line)
     assert node is not None and joiners, ("no generate actor started on the node that joined", text[-3000:])
     assert removed_at_step is not None and removed_at_step < STEPS, text[-3000:]
     assert code == 0, text[-3000:]

@@ -9,21 +9,14 @@ and the final ledger holds every group trained exactly once within the staleness
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import mlflow
 import pytest
-from mlflow_server import start_two_node_cluster
+from mlflow_server import start_two_node_cluster, submit_and_follow
 from test_faults import assert_exactly_once, final_ledger
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, GROUPS = 8, 4
 
 
@@ -61,36 +54,22 @@ def test_worker_node_killed_midjob_job_replans_on_the_head(cluster, servers, tmp
         # up to a second late, lands mid-job
         "reward.functions": "[{name: 'tests.reward_fixtures:slower_exact'}]",
     }
-    argv = [sys.executable, "-m", "pipelines.cli", "submit", "configs/tiny_grpo.yaml", "--address", cluster["address"]]
-    argv += [part for key, value in sets.items() for part in ("--set", f"{key}={value}")]
     started = time.monotonic()
-    submit = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-    lines, killed_at, where = [], None, {}
-    # the read loop below ends at EOF only: a job that never ends is killed (whole session) by a watchdog
-    # so the test fails with its log instead of hanging until pytest's timeout
-    watchdog = threading.Timer(600, lambda: os.killpg(submit.pid, signal.SIGKILL))
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        for line in submit.stdout:
-            lines.append(line)
-            print(line, end="", flush=True)
-            if killed_at is None and "streamrl: checkpoint " in line:
-                where = actor_nodes(cluster["address"])
-                # a rank and a generate actor on each node (a slow actor start may leave one pending: the
-                # next checkpoint, then)
-                both = {cluster["head"], cluster["second"]}
-                if where.get("TrainWorker") == both and where.get("Generate") == both:
-                    servers.kill_session(cluster["second_session"])  # the raylet and everything it started
-                    killed_at = time.monotonic()
-                    print(f"--- killed node {cluster['second'][:8]} ---", flush=True)
-        code = submit.wait(timeout=300)
-    finally:
-        watchdog.cancel()
-        if submit.poll() is None:
-            submit.kill()
-    text = "".join(lines)
+    killed_at, where = None, {}
+
+    def on_line(line: str) -> None:
+        nonlocal killed_at, where
+        if killed_at is None and "streamrl: checkpoint " in line:
+            where = actor_nodes(cluster["address"])
+            # a rank and a generate actor on each node (a slow actor start may leave one pending: the
+            # next checkpoint, then)
+            both = {cluster["head"], cluster["second"]}
+            if where.get("TrainWorker") == both and where.get("Generate") == both:
+                servers.kill_session(cluster["second_session"])  # the raylet and everything it started
+                killed_at = time.monotonic()
+                print(f"--- killed node {cluster['second'][:8]} ---", flush=True)
+
+    code, text = submit_and_follow(cluster["address"], sets, on_line)
     print(f"submit -> rc {code} in {time.monotonic() - started:.1f} s")
     assert killed_at is not None, (where, text[-3000:])
     assert code == 0, text[-3000:]
