@@ -97,7 +97,8 @@ class Checkpoint:
         return pd.read_parquet(self.path / LEDGER)
 
     def step_rows(self) -> list[dict]:
-        """The metric rows of the steps this checkpoint added ([] for one written before they were kept)."""
+        """The metric rows this checkpoint keeps, oldest first: of every step before it (of only the steps
+        since the previous checkpoint for one written before 2026-12-02; [] for one older still)."""
         file = self.path / STEP_ROWS
         if not file.is_file():
             return []
@@ -235,25 +236,43 @@ class StepCheckpoints:
     """What the Train operator (operators/train.py) calls between steps to write a job's checkpoints:
     every `every` steps (0: only after the last one) into `root`, the newest `keep` kept (0: all), a
     Hugging Face export (weights and tokenizer) in the last one, or in every one with hf_export "every".
-    Picklable: it travels to the Train stage's actor with the operator's arguments."""
+    Picklable: it travels to the Train stage's actor with the operator's arguments.
 
-    def __init__(self, root: str, every: int = 0, keep: int = 0, hf_export: str = "last", run_info: dict | None = None):
+    Each checkpoint keeps the metric rows of every step before it (`steps.jsonl`), not only those since
+    the previous one: the driver reads the Train stage's rows through Ray Data's output queue, which can
+    lag training by tens of steps, so when an attempt ends the driver may not have heard of several
+    checkpoints, and the rows of all of them are needed (pipelines/step_log.py; the chaos run lost two
+    steps' rows when only the newest checkpoint's were kept). `prior_rows`: those of the checkpoint the
+    attempt starts from; `attempt`: the try of the run training now, recorded in each new row. The
+    rows grow like the ledger does (one small row of numbers per step against one ledger row per group)."""
+
+    def __init__(self, root: str, every: int = 0, keep: int = 0, hf_export: str = "last", run_info: dict | None = None,
+                 prior_rows: list[dict] | None = None, attempt: int | None = None):
         self.root, self.every, self.keep, self.hf_export = str(root), every, keep, hf_export
         self.run_info = dict(run_info or {})
+        self.rows = list(prior_rows or [])  # every step's row so far, oldest first
+        self.attempt = attempt
+
+    def rows_through(self, step_rows: list[dict]) -> list[dict]:
+        """The rows a checkpoint keeps: those of the steps before, then `step_rows` (the steps since the
+        previous checkpoint), tagged with the attempt unless they say theirs."""
+        tag = {} if self.attempt is None else {"attempt": self.attempt}
+        return self.rows + [{**tag, **row} for row in step_rows]
 
     def due(self, steps_done: int, last: bool) -> bool:
         return last or bool(self.every and steps_done % self.every == 0)
 
     def write(self, steps_done: int, workers, critics, ledger: pd.DataFrame, last: bool,
               step_rows: list[dict] | None = None) -> Path:
-        """Every rank's engine and RNG state (and the critic's), the ledger, the metric rows of the steps
-        since the previous checkpoint (`step_rows`), an export when due; atomically."""
+        """Every rank's engine and RNG state (and the critic's), the ledger, the metric rows of every step
+        (`step_rows`: those since the previous checkpoint; see rows_through), an export when due; atomically."""
         import ray
 
         folder = CheckpointDir(Path(self.root))
         tmp = folder.begin(steps_done)
         try:
-            (tmp / STEP_ROWS).write_text("".join(json.dumps(row, default=str) + "\n" for row in step_rows or []))
+            rows = self.rows_through(step_rows or [])
+            (tmp / STEP_ROWS).write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
             ray.get([worker.save_checkpoint.remote(str(tmp)) for worker in workers]
                     + [critic.save_checkpoint.remote(str(tmp / CRITIC_DIR)) for critic in critics])
             if last or self.hf_export == "every":
@@ -265,6 +284,7 @@ class StepCheckpoints:
                            for critic in critics])
             state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger), "world_size": len(workers)}
             final = folder.commit(tmp, steps_done, state, ledger)
+            self.rows = rows
         except BaseException:
             folder.discard(tmp)
             raise

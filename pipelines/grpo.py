@@ -634,7 +634,9 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         options = dict(
             checkpoints=StepCheckpoints(str(run_dir.root), every=cfg.train.checkpoint_every,
                                         keep=cfg.train.checkpoint_keep, hf_export=cfg.train.checkpoint_hf_export,
-                                        run_info=run_info),
+                                        run_info=run_info, attempt=steps.attempt,
+                                        prior_rows=[row for row in checkpoint.step_rows()
+                                                    if int(row["step"]) < first] if checkpoint else None),
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
             max_nan_skips=cfg.train.max_nan_skips, stop=stop,
         )

@@ -78,15 +78,17 @@ class StepLog:
     def backfill(self, checkpoint, attempt: int, logged_before: set[int] = frozenset()) -> list[int]:
         """Log the rows a checkpoint kept (its steps.jsonl) of the steps before it that nobody logged:
         this process (`logged`) nor an earlier one (`logged_before`, what the run's spool and MLflow hold).
-        That is a driver that died, or an attempt whose last rows never reached it, after the Train
-        operator wrote the checkpoint. `attempt`: the try that trained them. Returns the steps logged."""
+        That is a driver that died, or an attempt whose last rows never reached it (the driver reads them
+        through Ray Data's output queue, tens of steps behind at times), after the Train operator wrote the
+        checkpoint, or several. `attempt`: the try that trained them, for rows that do not say. Returns the
+        steps logged."""
+        self.logged |= set(logged_before)  # a restart later in this process must not log them again
         if checkpoint is None:
             return []
-        done = self.logged | set(logged_before)
         rows = [row for row in checkpoint.step_rows() if int(row["step"]) < checkpoint.step
-                and int(row["step"]) not in done]
+                and int(row["step"]) not in self.logged]
         for row in rows:
-            self.tracker.log_step({**row, "attempt": attempt})
+            self.tracker.log_step({"attempt": attempt, **row})  # a row written since 2026-12-02 says its own
             self.logged.add(int(row["step"]))
         return [int(row["step"]) for row in rows]
 

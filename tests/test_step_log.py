@@ -75,6 +75,57 @@ def test_backfill_logs_the_checkpointed_rows_nobody_logged(tmp_path):
     tracker = Recorder()
     log = StepLog(tracker, committed=4, attempt=2)
     assert log.backfill(Checkpoint(folder, 4, {}), attempt=1, logged_before={0, 1, 2}) == [3]
-    assert tracker.steps == [3] and log.logged == {3}
+    assert tracker.steps == [3] and log.logged == {0, 1, 2, 3}
     assert log.backfill(Checkpoint(folder, 4, {}), attempt=1, logged_before={0, 1, 2}) == []  # not twice
     assert log.backfill(Checkpoint(tmp_path, 2, {}), attempt=1) == []  # an older checkpoint without the file
+
+
+def _write_checkpoint(run_dir: CheckpointDir, writer, step: int, new_rows: list[dict]):
+    """What StepCheckpoints.write leaves of a checkpoint for the step log: its rows file (through the
+    writer's own rows_through) and its manifest."""
+    import pandas as pd
+
+    from pipelines.checkpoint import STEP_ROWS
+
+    tmp = run_dir.begin(step)
+    rows = writer.rows_through(new_rows)
+    (tmp / STEP_ROWS).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dir.commit(tmp, step, {"policy_version": step}, pd.DataFrame({"group_uid": [f"g{step}"]}))
+    writer.rows = rows
+
+
+def test_a_restart_logs_the_rows_of_every_checkpoint_the_driver_had_not_heard_of(tmp_path):
+    """The chaos run's two missing steps: the driver reads the Train stage's rows through Ray Data's
+    output queue, behind training; an attempt ended after the Train stage had written two checkpoints
+    the driver had not heard of (steps 5 and 10 here, the driver at step 3). Every step before the
+    newest checkpoint reaches MLflow exactly once, with the attempt that trained it, across a resume too."""
+    from pipelines.checkpoint import StepCheckpoints
+
+    run_dir = CheckpointDir(tmp_path / "run")
+    writer = StepCheckpoints(str(run_dir.root), every=5, keep=1, attempt=1)  # keep 1: step 5's is pruned
+    tracker = Recorder()
+    log = StepLog(tracker, committed=0, attempt=1)
+    for step in range(4):  # the rows the driver got: steps 0..3
+        log.hold({"step": step}, step + 1)
+    _write_checkpoint(run_dir, writer, 5, [{"step": s} for s in range(5)])
+    _write_checkpoint(run_dir, writer, 10, [{"step": s} for s in range(5, 10)])
+    run_dir.prune(1)
+    assert [step for step, _ in run_dir.steps()] == [10]
+    checkpoint = run_dir.latest_valid()
+    assert [row["attempt"] for row in checkpoint.step_rows()] == [1] * 10
+    # The attempt ends (a rank died at step 11): drop, then backfill from the newest checkpoint.
+    assert log.drop(checkpoint.step) == []
+    assert log.backfill(checkpoint, attempt=1) == [4, 5, 6, 7, 8, 9]
+    assert tracker.steps == list(range(10))
+    # Attempt 2 starts from that checkpoint with its rows, trains 10..14, and the driver dies (a resume).
+    writer = StepCheckpoints(str(run_dir.root), every=5, attempt=2, prior_rows=checkpoint.step_rows())
+    _write_checkpoint(run_dir, writer, 15, [{"step": s} for s in range(10, 15)])
+    latest = run_dir.latest_valid()
+    assert [row["step"] for row in latest.step_rows()] == list(range(15))
+    assert [row["attempt"] for row in latest.step_rows()] == [1] * 10 + [2] * 5
+    resumed = Recorder()
+    log = StepLog(resumed, committed=15, attempt=3)
+    assert log.backfill(latest, attempt=2, logged_before=set(range(12))) == [12, 13, 14]
+    # A restart later in the resumed process: nothing the first process logged is logged again.
+    assert log.backfill(latest, attempt=3) == []
+    assert resumed.steps == [12, 13, 14]
