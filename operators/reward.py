@@ -42,6 +42,8 @@ PIPELINE_COLUMNS = frozenset({
     "responses", "response_token_ids", "behavior_logprobs", "prompt_token_ids", "response_lengths",
     "policy_version", "group_uid", "train_step", "rewards", "advantages", "reward_errors", "reward_timeouts",
     "generator_id", "generate_start", "generate_end", "policy_version_max", "token_policy_versions",
+    # multi-turn episodes (operators/environment.py)
+    "loss_masks", "turns", "num_turns", "episode_ends", "env_rewards", "tool_calls", "tool_errors", "env_errors",
 })
 
 
@@ -60,6 +62,16 @@ def arithmetic_exact(completions: list[str], answer: list[str], **kwargs) -> lis
     if len(completions) != len(answer):
         raise ValueError(f"{len(completions)} completions but {len(answer)} answers")
     return [float(_leading_number(text) == str(target).strip()) for text, target in zip(completions, answer)]
+
+
+@REWARD_FUNCTIONS.register("tool_answer_exact")
+def tool_answer_exact(completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """A tool episode's answer (operators/environment.py, ToolEnvironment): 1.0 when the number after the
+    last tool result (`}`), or at the start of a completion with none, equals `answer`."""
+    if len(completions) != len(answer):
+        raise ValueError(f"{len(completions)} completions but {len(answer)} answers")
+    return [float(_leading_number(text.rpartition("}")[2]) == str(target).strip())
+            for text, target in zip(completions, answer)]
 
 
 @REWARD_FUNCTIONS.register("exact_match")
@@ -147,22 +159,34 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _sandbox_main(conn, names: list[str], parent_pid: int) -> None:
-    """The child: resolve the functions once, then answer (name, completions, kwargs) with scores."""
+def _sandbox_main(conn, names: list[str], parent_pid: int, kind: str = "reward") -> None:
+    """The child: resolve the functions once, then answer each call. `kind` "reward": (name,
+    completions, kwargs) -> scores; "tool" (operators/environment.py): (name, args, kwargs) -> the
+    tool's result, which must be a string."""
     _die_with_parent(parent_pid)
     try:
-        functions = {name: resolve_reward_function(name) for name in names}
+        if kind == "tool":
+            from operators.environment import resolve_tool as resolve
+        else:
+            resolve = resolve_reward_function
+        functions = {name: resolve(name) for name in names}
     except Exception as err:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            name, completions, kwargs = conn.recv()
+            name, first, kwargs = conn.recv()
         except (EOFError, OSError):
             return  # the parent closed the pipe: done
         try:
-            reply = ("ok", score_values(functions[name], completions, kwargs))
+            if kind == "tool":
+                result = functions[name](*first, **kwargs)
+                if not isinstance(result, str):
+                    raise TypeError(f"tool {name!r} returned {type(result).__name__}, not a string")
+                reply = ("ok", result)
+            else:
+                reply = ("ok", score_values(functions[name], first, kwargs))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             reply = ("error", f"{type(err).__name__}: {err}")
         conn.send(reply)
@@ -203,8 +227,9 @@ class RewardSandbox:
     and the next call starts a new one. The child is killed when this object is collected or
     the process exits, and exits by itself when its parent dies."""
 
-    def __init__(self, names: Sequence[str], start_timeout_s: float = 120.0):
+    def __init__(self, names: Sequence[str], start_timeout_s: float = 120.0, kind: str = "reward"):
         self.names = list(names)
+        self.kind = kind  # "reward", or "tool": the functions are tools (operators/environment.py)
         self.start_timeout_s = start_timeout_s
         self.process = None
         self._conn = None
@@ -226,7 +251,8 @@ class RewardSandbox:
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe(duplex=True)
         process = context.Process(
-            target=_sandbox_main, args=(child_conn, self.names, os.getpid()), name="streamrl-reward-sandbox",
+            target=_sandbox_main, args=(child_conn, self.names, os.getpid(), self.kind),
+            name=f"streamrl-{self.kind}-sandbox",
         )  # not daemonic, so reward functions may start processes of their own
         with _main_module_hidden():
             process.start()
@@ -246,7 +272,7 @@ class RewardSandbox:
             raise RuntimeError(f"the reward sandbox process died while starting (exit code {code})") from None
         if status != "ready":
             self.close()
-            raise RuntimeError(f"the reward sandbox cannot load the reward functions {self.names}: {payload}")
+            raise RuntimeError(f"the {self.kind} sandbox cannot load the {self.kind} functions {self.names}: {payload}")
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -373,6 +399,8 @@ class Reward:
             errors |= failed
             timeouts |= timed_out
             batch[f"reward_{name.replace(':', '.')}"] = [part.tolist() for part in np.split(scores, splits)]
+        if "env_rewards" in batch.columns:  # multi-turn episodes: the environment's rewards count too
+            total += np.array([float(value) for values in batch["env_rewards"] for value in values])
         batch["rewards"] = [part.tolist() for part in np.split(total, splits)]
         batch["reward_errors"] = [int(part.sum()) for part in np.split(errors, splits)]
         batch["reward_timeouts"] = [int(part.sum()) for part in np.split(timeouts, splits)]

@@ -78,3 +78,49 @@ def _exact_after(seconds, completions, answer, **kwargs):
 
     time.sleep(seconds)
     return arithmetic_exact(completions, answer=answer, **kwargs)
+
+
+# Tools (operators/environment.py, ToolEnvironment), as 'reward_fixtures:NAME'.
+def raising_tool(arguments):
+    raise RuntimeError(f"cannot do {arguments}")
+
+
+def hanging_tool(arguments):
+    import time
+
+    while True:
+        time.sleep(3600)
+
+
+def number_tool(arguments):
+    return 42  # not a string
+
+
+def echo_tool(arguments):
+    return arguments[::-1]
+
+
+class Chatter:
+    """An environment that never ends an episode: every turn (one digit: each digit is a stop string)
+    gets the observation '+1='. Only max_turns and the token budget end its episodes."""
+
+    stop = tuple("0123456789")
+
+    def reset(self, row):
+        self.answer = row["answer"]
+
+    def step(self, turn):
+        from operators.environment import EnvStep
+
+        return EnvStep(observation="+1=", reward=0.25)
+
+
+def flaky_calculator(expression):
+    """The calculator, except that it raises on a '7' and returns a number (not a string) on a '5'."""
+    from operators.environment import calculator
+
+    if "7" in expression:
+        raise RuntimeError("seven")
+    if "5" in expression:
+        return 5
+    return calculator(expression)
