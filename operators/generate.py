@@ -67,10 +67,28 @@ class Generate:
         max_seqs_in_flight: int = 256,
         partial_rollout: bool = False,
         update_when: str = "drain",
+        environment: str | None = None,
+        environment_options: dict | None = None,
+        max_turns: int = 4,
+        max_episode_tokens: int = 256,
     ):
         """`policy_version`: the version of the weights in `model_path` (0 for the base model; a
-        checkpoint's step when evaluating it), recorded in every row and part of the sampling seed."""
+        checkpoint's step when evaluating it), recorded in every row and part of the sampling seed.
+        `environment` (in flight only): run multi-turn episodes with it (operators/environment.py;
+        a builtin name such as "tools", or 'module:Class', built with `environment_options`), at most
+        `max_turns` turns of at most `max_new_tokens` tokens each and `max_episode_tokens` tokens after
+        the prompt per episode."""
         self.rollout = None
+        self.environment = None
+        if environment is not None:
+            if not in_flight:
+                raise ValueError("an environment needs in_flight=True: every turn is a request to the in-flight "
+                                 "engine (engine 'vllm', or an engine class with `stream`)")
+            from operators.environment import EnvironmentFactory, resolve_environment
+
+            resolve_environment(environment)  # fail here, with the fix, not in the first episode
+            self.environment = EnvironmentFactory(environment, environment_options)
+        self.max_turns, self.max_episode_tokens = int(max_turns), int(max_episode_tokens)
         if in_flight:
             from operators.rollout import RolloutLoop
 
@@ -139,6 +157,13 @@ class Generate:
         uids = [str(uid) for uid in batch.get("group_uid", batch["prompt"])]
         version = self.rollout.version
         seeds = [self._group_seed(uid, version, params.n) for uid in uids]
+        if self.environment is not None:
+            from operators.reward import PIPELINE_COLUMNS
+
+            columns = [c for c in batch.columns if c not in PIPELINE_COLUMNS]
+            rows = [{c: _plain(v) for c, v in row.items()} for row in batch[columns].to_dict("records")]
+            return batch, prompt_ids, self.rollout.submit_episodes(
+                prompt_ids, params, seeds, uids, self.environment, rows, self.max_turns, self.max_episode_tokens)
         return batch, prompt_ids, self.rollout.submit(prompt_ids, params, seeds, uids)
 
     def _stream(self, batch: pd.DataFrame, greedy: bool) -> Iterator[pd.DataFrame]:
@@ -173,6 +198,8 @@ class Generate:
         batch["generator_id"] = self.generator_id
         batch["generate_start"] = [r.start for r in results]
         batch["generate_end"] = [r.end for r in results]
+        if results and results[0].episodes is not None:
+            add_episode_columns(batch, [r.episodes for r in results])
         return batch
 
     def update_log(self) -> list[dict]:
@@ -242,3 +269,28 @@ class Generate:
         batch["generate_end"] = time.time()
         self.weight_sync_seconds = 0.0
         return batch
+
+
+def _plain(value):
+    """A dataset cell as plain Python (numpy scalars and arrays become numbers and lists)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def add_episode_columns(batch: pd.DataFrame, groups: list[list]) -> None:
+    """The columns of multi-turn episodes (one list entry per response of a row): `loss_masks` (1 per
+    policy token, 0 per observation token), `turns` (each episode's turns as JSON: text, tool_call,
+    observation, reward, error, ended_by, tokens, version), `num_turns`, `episode_ends` (what ended
+    each: done, eos, max_turns, token_budget, env_error), `env_rewards` (the environment's rewards,
+    summed per episode), and per row `tool_calls`, `tool_errors`, `env_errors`."""
+    import json
+
+    batch["loss_masks"] = [[list(e.loss_mask) for e in episodes] for episodes in groups]
+    batch["turns"] = [[json.dumps(e.turns) for e in episodes] for episodes in groups]
+    batch["num_turns"] = [[len(e.turns) for e in episodes] for episodes in groups]
+    batch["episode_ends"] = [[e.end for e in episodes] for episodes in groups]
+    batch["env_rewards"] = [[float(e.reward) for e in episodes] for episodes in groups]
+    batch["tool_calls"] = [sum(e.tool_calls for e in episodes) for episodes in groups]
+    batch["tool_errors"] = [sum(e.tool_errors for e in episodes) for episodes in groups]
+    batch["env_errors"] = [sum(e.env_errors for e in episodes) for episodes in groups]

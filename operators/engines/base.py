@@ -126,6 +126,10 @@ class InFlightEngine(Protocol):
     def decode(self, token_ids: list[int]) -> str:
         """A response's text (special tokens skipped)."""
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of text that continues a sequence, no BOS (an environment's observation; only
+        engines that run multi-turn episodes need it)."""
+
     def stream(
         self, prompt_token_ids: list[int], params: SamplingParams, seed: int, request_id: str, cache_salt: str
     ) -> AsyncIterator[TokenDelta]:

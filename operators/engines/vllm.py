@@ -203,6 +203,10 @@ class VLLMBase:
     def encode(self, prompts: list[str]) -> list[list[int]]:
         return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of text that continues a sequence (an environment's observation): no BOS."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
 
 class VLLMEngine(VLLMBase):
     def __init__(
