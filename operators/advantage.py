@@ -135,6 +135,37 @@ def outcome_token_rewards(reward: float, length: int) -> np.ndarray:
     return rewards
 
 
+def episode_token_rewards(reward: float, loss_mask, turn_rewards) -> np.ndarray:
+    """Per-token rewards of a multi-turn episode, at its policy tokens only ([P], P = sum(loss_mask)):
+    each turn's environment reward on the last token of that turn, the rest of `reward` (the episode's
+    total, which includes them) on the last policy token. Turns are the runs of 1s in `loss_mask`."""
+    mask = np.asarray(loss_mask, dtype=bool)  # [T]
+    rewards = np.zeros(int(mask.sum()), dtype=np.float64)  # [P]
+    if not len(rewards):
+        return rewards
+    ends = [i for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]  # turn ends, in [T]
+    positions = np.cumsum(mask) - 1  # [T]: index among the policy tokens
+    placed = 0.0
+    for end, turn_reward in zip(ends, turn_rewards):
+        if turn_reward:
+            rewards[positions[end]] += float(turn_reward)
+            placed += float(turn_reward)
+    rewards[-1] += reward - placed
+    return rewards
+
+
+def masked_token_estimate(fn, token_rewards: np.ndarray, values, loss_mask, **discount) -> tuple[np.ndarray, np.ndarray]:
+    """A token estimator over the policy tokens of an episode only (observation tokens are not actions:
+    no step of the return passes through them); (advantages, returns) back on every response token,
+    advantage 0 and return = value at the observation tokens (which the loss masks out anyway)."""
+    mask = np.asarray(loss_mask, dtype=bool)  # [T]
+    values = np.asarray(values, dtype=np.float64)  # [T]
+    advantages, returns = np.zeros(len(mask)), values.copy()  # [T] each
+    if mask.any():
+        advantages[mask], returns[mask] = fn(token_rewards, values[mask], **discount)
+    return advantages, returns
+
+
 @TOKEN_ESTIMATORS.register("gae")
 def gae(token_rewards: np.ndarray, values: np.ndarray, *, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -196,17 +227,21 @@ def overlong_shaping(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, p
     return -penalty * over / buffer  # [N]
 
 
-def sequence_kl_penalty(behavior_logprobs: List[List[float]], ref_logprobs: List[List[float]]) -> np.ndarray:
+def sequence_kl_penalty(behavior_logprobs: List[List[float]], ref_logprobs: List[List[float]],
+                        loss_masks: List[List[int]] | None = None) -> np.ndarray:
     """KL to the reference as a reward penalty, per response: the sum over its tokens of the k1
     estimate log pi_behave - log pi_ref (its expectation is the sequence-level KL); [n] lists -> [n].
+    `loss_masks` (multi-turn episodes): only the policy's tokens count, not the observations.
 
     Subtracted (times a coefficient) from the outcome reward before the advantage, as verl and
     OpenRLHF do with a KL "in the reward"; `algorithm.kl_coef` puts it in the loss instead."""
     if len(behavior_logprobs) != len(ref_logprobs):
         raise ValueError(f"{len(behavior_logprobs)} responses but {len(ref_logprobs)} reference log-prob lists")
+    masks = loss_masks if loss_masks is not None else [None] * len(behavior_logprobs)
     return np.array([
-        float(np.sum(np.asarray(b, dtype=np.float64) - np.asarray(r, dtype=np.float64)))  # sum_t k1
-        for b, r in zip(behavior_logprobs, ref_logprobs)
+        float(np.sum((np.asarray(b, dtype=np.float64) - np.asarray(r, dtype=np.float64))  # sum_t k1
+                     * (1.0 if m is None else np.asarray(m, dtype=np.float64))))
+        for b, r, m in zip(behavior_logprobs, ref_logprobs, masks)
     ])  # [n]
 
 
@@ -261,11 +296,15 @@ class Advantage:
             if "ref_logprobs" not in batch.columns:
                 raise ValueError("kl_reward_coef > 0 needs a ref_logprobs column: put the RefLogprob stage "
                                  "before Advantage (a `reference` section in the job config)")
-            penalties = [sequence_kl_penalty(b, r) for b, r in zip(batch["behavior_logprobs"], batch["ref_logprobs"])]
+            masks = batch["loss_masks"] if "loss_masks" in batch.columns else [None] * len(batch)
+            penalties = [sequence_kl_penalty(b, r, m)
+                         for b, r, m in zip(batch["behavior_logprobs"], batch["ref_logprobs"], masks)]
             rewards = [r - self.kl_reward_coef * p for r, p in zip(rewards, penalties)]
             out["kl_reward_penalty"] = pd.Series([float(p.mean()) for p in penalties], index=out.index, dtype=np.float64)
         if self.kind == "token":
-            advantages, returns = self._token_advantages(rewards, batch["values"])
+            episodes = (zip(batch["loss_masks"], batch["turns"]) if "loss_masks" in batch.columns
+                        else [(None, None)] * len(batch))
+            advantages, returns = self._token_advantages(rewards, batch["values"], episodes)
             out["returns"] = pd.Series(returns, index=out.index, dtype=object)
         else:
             advantages = self._row_advantages(rewards) if len(batch) else []
@@ -276,12 +315,22 @@ class Advantage:
         out["time_advantage"] = pd.Series(per_row, index=out.index, dtype=np.float64)
         return out
 
-    def _token_advantages(self, rewards_per_row: List, values_per_row) -> tuple[List, List]:
-        """Per row, per response: (advantages, returns), lists of floats per response token."""
+    def _token_advantages(self, rewards_per_row: List, values_per_row, episodes) -> tuple[List, List]:
+        """Per row, per response: (advantages, returns), lists of floats per response token. Multi-turn
+        rows (`episodes`: their loss_masks and turns) are estimated over the policy's tokens, with each
+        turn's environment reward on that turn's last token (episode_token_rewards)."""
+        import json
+
         advantages, returns = [], []
-        for rewards, values in zip(rewards_per_row, values_per_row):
-            pairs = [self._fn(outcome_token_rewards(reward, len(response_values)), response_values, **self.discount)
-                     for reward, response_values in zip(rewards, values)]
+        for rewards, values, (masks, turns) in zip(rewards_per_row, values_per_row, episodes):
+            if masks is None:
+                pairs = [self._fn(outcome_token_rewards(reward, len(response_values)), response_values, **self.discount)
+                         for reward, response_values in zip(rewards, values)]
+            else:
+                pairs = [masked_token_estimate(
+                    self._fn, episode_token_rewards(reward, mask, [t.get("reward") for t in json.loads(turn)]),
+                    response_values, mask, **self.discount)
+                    for reward, response_values, mask, turn in zip(rewards, values, masks, turns)]
             advantages.append([adv.tolist() for adv, _ in pairs])
             returns.append([ret.tolist() for _, ret in pairs])
         return advantages, returns

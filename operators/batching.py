@@ -80,8 +80,11 @@ class TokenBatch:
 
     input_ids: torch.Tensor  # [B, L] long: prompt + response, then pad_id
     attention: torch.Tensor  # [B, L] long: 1 on real tokens
-    mask: torch.Tensor  # [B, L-1] float: 1 where a response token is predicted (the trained positions)
+    mask: torch.Tensor  # [B, L-1] float: 1 where a policy token of the response is predicted (trained)
     staleness: torch.Tensor  # [B] long: train step - policy version of the sample (0 when not given)
+    # [B, L-1] float: 1 at every response token, an environment's observation tokens too (multi-turn
+    # episodes, whose `loss_masks` leave those out of `mask`); None: the same as `mask`
+    span: torch.Tensor | None = None
     behavior_logprobs: torch.Tensor | None = None  # [B, L-1]: the engine's log-probs (policy)
     advantages: torch.Tensor | None = None  # [B, L-1]: a response's advantage, or one per token (GAE)
     proximal_logprobs: torch.Tensor | None = None  # [B, L-1]: pi_prox, fixed before several updates
@@ -102,13 +105,23 @@ class TokenBatch:
         return tuple(getattr(self, name) for name in columns)
 
     def at_response(self, values: torch.Tensor, row: int) -> torch.Tensor:
-        """Row `row` of a [B, L-1] tensor at its response tokens only: [response length]."""
-        return values[row][self.mask[row].bool()]
+        """Row `row` of a [B, L-1] tensor at its response tokens only (observations included): [response length]."""
+        span = self.mask if self.span is None else self.span
+        return values[row][span[row].bool()]
 
     def to(self, device) -> TokenBatch:
         """Every tensor on `device` (copies issued non-blocking)."""
         return TokenBatch(**{name: None if value is None else value.to(device, non_blocking=True)
                              for name, value in vars(self).items()})
+
+
+def trained_tokens(samples: dict, index: int) -> int:
+    """Response tokens of sample `index` that the loss trains: all of them, or the policy's only when the
+    samples carry `loss_masks` (multi-turn episodes: observation tokens are the environment's)."""
+    masks = samples.get("loss_masks")
+    if masks is not None and masks[index] is not None:
+        return int(sum(masks[index]))
+    return len(samples["response_token_ids"][index])
 
 
 def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional: tuple[str, ...] = (),
@@ -117,7 +130,7 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     the per-token columns): the `required` TOKEN_COLUMNS, and each `optional` one when every sample
     carries it. A per-token value is one float per response (broadcast over its tokens) or one per
     response token; float32, overflowing to +-inf (the trainer's NaN guard then sees it) rather than
-    raising."""
+    raising. `loss_masks` (optional, one 0/1 per response token): only the 1s are in `mask`."""
     import numpy as np
     import torch
 
@@ -136,12 +149,22 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)  # [B, L]
     attention = torch.zeros((rows, width), dtype=torch.long)  # [B, L]
     mask = torch.zeros((rows, width - 1))  # [B, L-1]
+    loss_masks = samples.get("loss_masks")
+    if loss_masks is not None and all(m is None for m in loss_masks):
+        loss_masks = None
+    spans = torch.zeros((rows, width - 1)) if loss_masks is not None else None  # [B, L-1]
     for row, seq in enumerate(sequences):
         prompt_len, response_len = len(prompts[row]), len(responses[row])
         input_ids[row, : len(seq)] = torch.tensor(seq)
         attention[row, : len(seq)] = 1
         span = slice(prompt_len - 1, prompt_len - 1 + response_len)
         mask[row, span] = 1.0
+        if spans is not None:
+            spans[row, span] = 1.0
+            if loss_masks[row] is not None:
+                if len(loss_masks[row]) != response_len:
+                    raise ValueError(f"sample {row}: {len(loss_masks[row])} loss_masks for {response_len} response tokens")
+                mask[row, span] = torch.tensor([float(m) for m in loss_masks[row]])
         for name in columns:
             with np.errstate(over="ignore"):
                 values = np.asarray(samples[name][row], dtype=np.float64).astype(np.float32)
@@ -150,5 +173,6 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
             per_token[name][row, span] = torch.from_numpy(values) if values.ndim else float(values)
     staleness = samples.get("staleness")
     staleness = torch.tensor([int(s) for s in (staleness if staleness is not None else [0] * rows)])  # [B]
-    batch = TokenBatch(input_ids=input_ids, attention=attention, mask=mask, staleness=staleness, **per_token)
+    batch = TokenBatch(input_ids=input_ids, attention=attention, mask=mask, staleness=staleness, span=spans,
+                       **per_token)
     return batch.to(device) if device is not None else batch

@@ -33,6 +33,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import pandas as pd
 
+from operators.batching import trained_tokens
+
 # `policy_version` is the oldest version that sampled a token of the group (what staleness counts),
 # `policy_version_max` the newest: they differ only under partial rollout, where `token_policy_versions`
 # gives the version of every response token; `generator_id` the generate actor (host:pid) that sampled it.
@@ -45,6 +47,10 @@ STAGES = ("generate", "weight_sync", "reward", "advantage")
 # Wall-clock stamps a group collects on its way to a train step (Generate's, Reward's with timestamps=True, and
 # when this operator received it), kept per step in the `timeline` for benchmarks/loop_latency.py.
 STAMPS = ("generate_start", "generate_end", "reward_start", "reward_end", "train_arrive")
+# Multi-turn episodes (operators/environment.py): each episode's turns (JSON: text, tool_call, observation,
+# reward, error, ended_by, tokens, version), turn count, what ended it, the environment's reward, and per
+# response token 1 (the policy's) or 0 (an observation's).
+EPISODE_COLUMNS = ["loss_masks", "turns", "num_turns", "episode_ends", "env_rewards", "tool_calls", "tool_errors", "env_errors"]
 # With a critic: the version that valued the group, and per response token its values and return targets.
 CRITIC_COLUMNS = ["critic_version", "values", "returns"]
 
@@ -168,7 +174,7 @@ class Train:
         samples = _explode(rows)
         critic_samples = {key: samples.pop(key) for key in ("returns", "old_values") if key in samples}
         shards = _shard(samples, len(self.workers), equal_counts=self.mini_batches > 1)
-        global_tokens = int(sum(len(tokens) for tokens in samples["response_token_ids"]))
+        global_tokens = sum(trained_tokens(samples, i) for i in range(len(samples["response_token_ids"])))
         calls = [
             worker.train_step.remote(shard, global_tokens, len(samples["advantages"]))
             for worker, shard in zip(self.workers, shards)
@@ -285,6 +291,7 @@ def _explode(rows: list[dict]) -> dict[str, list]:
     stage's `values`), one per response token, when the rows carry returns (for the critic)."""
     samples = defaultdict(list)
     with_ref = any(row.get("ref_logprobs") is not None for row in rows)
+    with_masks = any(row.get("loss_masks") is not None for row in rows)
     with_returns = all(row.get("returns") is not None for row in rows)
     for row in rows:
         for index, response in enumerate(row["response_token_ids"]):
@@ -295,6 +302,9 @@ def _explode(rows: list[dict]) -> dict[str, list]:
             samples["advantages"].append(float(advantage) if np.ndim(advantage) == 0 else
                                          [float(value) for value in advantage])
             samples["staleness"].append(_response_staleness(row, index))
+            if with_masks:  # multi-turn: observation tokens carry no loss
+                masks = row.get("loss_masks")
+                samples["loss_masks"].append(None if masks is None else [int(m) for m in masks[index]])
             if with_ref:
                 refs = row.get("ref_logprobs")
                 samples["ref_logprobs"].append(None if refs is None else [float(v) for v in refs[index]])
@@ -367,7 +377,12 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
     critic = [column for column in CRITIC_COLUMNS if column in table.columns]
     for column in set(critic) - {"critic_version"}:
         table[column] = table[column].map(lambda cell: [[float(v) for v in response] for response in cell])
-    return table[ROLLOUT_COLUMNS + critic]
+    episodes = [column for column in EPISODE_COLUMNS if column in table.columns]
+    for column in set(episodes) & {"turns", "num_turns", "episode_ends", "env_rewards"}:
+        table[column] = table[column].map(list)
+    if "loss_masks" in episodes:
+        table["loss_masks"] = table["loss_masks"].map(lambda cell: [[int(m) for m in mask] for mask in cell])
+    return table[ROLLOUT_COLUMNS + critic + episodes]
 
 
 # The ledger: one row per group a step consumed, the record exactly-once resume and `streamrl lineage`
@@ -401,6 +416,26 @@ def _reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:
         "staleness_mean": float(table["staleness"].mean()),
         "staleness_max": int(table["staleness"].max()),
         "num_groups": len(table),
+        **_episode_metrics(table),
+    }
+
+
+def _episode_metrics(table: pd.DataFrame) -> dict:
+    """Multi-turn steps: turns per episode, tool calls and their errors, environment errors, and the
+    share of the response tokens that are the policy's (the rest are observations, not trained)."""
+    if "num_turns" not in table.columns:
+        return {}
+    turns = np.concatenate([np.asarray(t, dtype=float) for t in table["num_turns"]])
+    policy = sum(sum(sum(mask) for mask in masks) for masks in table["loss_masks"]) if "loss_masks" in table else 0
+    tokens = sum(sum(lengths) for lengths in table["response_lengths"])
+    ends = [end for cell in table["episode_ends"] for end in cell]
+    return {
+        "turns_mean": float(turns.mean()),
+        "tool_calls": int(table["tool_calls"].sum()),
+        "tool_errors": int(table["tool_errors"].sum()),
+        "env_errors": int(table["env_errors"].sum()),
+        "policy_token_share": float(policy / tokens) if tokens else 1.0,
+        "episodes_cut": sum(end in ("max_turns", "token_budget") for end in ends),  # by a limit, not by the model
     }
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from operators.batching import TokenBatch, token_batch
+from operators.batching import TokenBatch, token_batch, trained_tokens
 from operators.correction import CorrectionSettings
 from operators.devices import dist_backend, local_device
 
@@ -365,8 +365,8 @@ class TrainWorker:
         """(valid tokens, responses with tokens) of each mini-batch summed over ranks: the
         normalisers of its loss, so that every optimizer step sees a global aggregate."""
         torch = self.torch
-        counts = torch.tensor([[float(sum(len(samples["response_token_ids"][i]) for i in part)),
-                                float(sum(1 for i in part if len(samples["response_token_ids"][i])))]
+        counts = torch.tensor([[float(sum(trained_tokens(samples, i) for i in part)),
+                                float(sum(1 for i in part if trained_tokens(samples, i)))]
                                for part in parts], dtype=torch.float64, device=self.device)  # [M, 2]
         if self.world_size > 1:
             torch.distributed.all_reduce(counts)
@@ -411,7 +411,7 @@ class TrainWorker:
                 kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch.ref_logprobs)  # [B, L-1]
                 per_token_loss = per_token_loss + settings.kl_coef * kl
                 loss_stats["kl_ref"] = float((kl_k3(logprobs.detach(), batch.ref_logprobs) * mask).sum()) / max(tokens, 1)
-            part_valid = sum(1 for i in indices if len(part["response_token_ids"][i]))
+            part_valid = sum(1 for i in indices if trained_tokens(part, i))
             loss = self._aggregate(per_token_loss, mask, global_tokens, global_sequences,
                                    share=part_valid * self.world_size / max(valid_sequences, 1))
             if not indices:
@@ -474,7 +474,7 @@ class TrainWorker:
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),  # the first update's, before clipping
             "grad_norm_last": grad_norms[-1] if grad_norms else float("nan"),
             "optimizer_steps": len(grad_norms),
-            "num_tokens": sum(len(r) for r in samples["response_token_ids"]),
+            "num_tokens": sum(trained_tokens(samples, i) for i in range(count)),
             "micro_batches": passes // max(len(losses), 1),  # forward/backward passes per optimizer step
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,

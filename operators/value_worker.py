@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from operators.batching import TokenBatch
+from operators.batching import TokenBatch, trained_tokens
 from operators.train_worker import TrainerSettings, TrainWorker, _StatSums
 
 
@@ -94,7 +94,7 @@ class ValueWorker(TrainWorker):
         return {
             "nonfinite_skipped": int(skipped),
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),
-            "num_tokens": sum(len(r) for r in samples["response_token_ids"]),
+            "num_tokens": sum(trained_tokens(samples, i) for i in range(count)),
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
             **stats.means(),
