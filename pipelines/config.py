@@ -15,10 +15,11 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 BUILTIN_DATASET_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-arith",)
+BUILTIN_MODELS = ("tiny-arith", "tiny-tools")  # pipelines/tiny.py, pipelines/tiny_tools.py
 # builtin:arithmetic is every single-digit addition problem; -train and -heldout split them (80/20, a fixed
 # split): train on one, evaluate on the other (eval.data) to see what RL does to problems it never trained on.
-BUILTIN_DATASET_SPLITS = {"arithmetic": "all", "arithmetic-train": "train", "arithmetic-heldout": "heldout"}
+BUILTIN_DATASET_SPLITS = {"arithmetic": "all", "arithmetic-train": "train", "arithmetic-heldout": "heldout",
+                          "tools": "all", "tools-train": "train", "tools-heldout": "heldout"}
 BUILTIN_DATASETS = tuple(BUILTIN_DATASET_SPLITS)
 DATASET_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
@@ -89,7 +90,8 @@ class ModelConfig(_Section):
     path: str = Field(
         "builtin:tiny-arith",
         description="Local folder of a Hugging Face causal LM (config.json + weights + tokenizer), "
-        "or 'builtin:tiny-arith' for the tiny Llama that streamrl builds and caches itself.",
+        "or 'builtin:tiny-arith' for the tiny Llama that streamrl builds and caches itself ('builtin:tiny-tools': "
+        "the one of the tiny tool task, configs/tiny_tools.yaml).",
     )
     trust_remote_code: bool = Field(
         False, description="Allow the model folder's own Python code to run. Off unless you trust the folder."
@@ -188,6 +190,48 @@ def vllm_installed() -> bool:
     return vllm_available()
 
 
+class EnvironmentConfig(_Section):
+    name: str = Field(
+        description="The environment that answers the model between turns: a builtin ('tools': tool calls, see "
+        "operators/environment.py) or 'module:Class' (a class with reset(row) and step(turn) -> EnvStep)."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment's class, e.g. for 'tools': "
+        "{tools: [calculator], call_start: '[', call_end: ']', result_start: '{', result_end: '}', timeout_s: 5}."
+    )
+    max_turns: int = Field(4, ge=1, description="Most model turns per episode (each at most rollout.max_new_tokens).")
+    max_episode_tokens: int = Field(
+        64, ge=1, description="Most tokens per episode after the prompt, the model's and the observations'."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _importable(cls, name: str) -> str:
+        from operators.environment import resolve_environment
+
+        try:
+            resolve_environment(name)
+        except (KeyError, ImportError, AttributeError, ValueError, TypeError) as err:
+            raise ValueError(str(err).strip("'\""))
+        return name
+
+    @model_validator(mode="after")
+    def _options_fit(self) -> "EnvironmentConfig":
+        import inspect
+
+        from operators.environment import resolve_environment
+
+        cls = resolve_environment(self.name)
+        try:
+            inspect.signature(cls).bind(**self.options)
+        except TypeError as err:
+            raise ValueError(f"options: {err}; see the environment class's arguments") from None
+        problems = getattr(cls, "config_problems", lambda options: [])(self.options)  # e.g. tools that cannot be imported
+        if problems:
+            raise ValueError("options." + "; options.".join(problems))
+        return self
+
+
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Generation engine: 'hf' (Hugging Face generate, always available) or 'vllm' "
@@ -249,6 +293,12 @@ class RolloutConfig(_Section):
         "requests in flight finish with the old weights while new ones wait. 'idle': once nothing is in flight; "
         "until then admissible requests still start with the old weights."
     )
+    environment: Optional[EnvironmentConfig] = Field(
+        None, description="Multi-turn episodes: the model's turns alternate with an environment's observations "
+        "(tool results), each turn a request to the in-flight engine; the observation tokens carry no loss. "
+        "Needs an in-flight engine (vllm). Without partial rollout a new policy version waits for the episodes "
+        "in flight to end, so each episode comes from one version."
+    )
 
     @field_validator("engine")
     @classmethod
@@ -274,6 +324,15 @@ class RolloutConfig(_Section):
             raise ValueError(
                 f"partial_rollout: engine {self.engine!r} cannot pause requests in flight and load new weights under "
                 "them; use engine: vllm, or partial_rollout: false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _environment_in_flight(self) -> "RolloutConfig":
+        if self.environment is not None and not self.uses_in_flight():
+            raise ValueError(
+                f"@rollout.environment: multi-turn episodes send every turn to the in-flight engine, but engine "
+                f"{self.engine!r} runs call-synchronous here; use engine: vllm (in_flight: true)"
             )
         return self
 

@@ -133,9 +133,14 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
     Reads the whole file; raises `ConfigError` on `data.path` if it cannot be read. The rows
     are not checked here: `validate_prompts` checks them all (with the tokenizer) in one pass."""
     if data.path.startswith(BUILTIN_DATASET_PREFIX):
+        name = data.path[len(BUILTIN_DATASET_PREFIX):]
+        split = BUILTIN_DATASET_SPLITS[name]
+        if name.startswith("tools"):  # the tiny tool task's two-digit sums
+            from pipelines.tiny_tools import make_tool_dataset
+
+            return make_tool_dataset(data.num_prompts, seed=data.seed, split=split), data.path
         from pipelines.tiny import make_arithmetic_dataset
 
-        split = BUILTIN_DATASET_SPLITS[data.path[len(BUILTIN_DATASET_PREFIX):]]
         return make_arithmetic_dataset(data.num_prompts, seed=data.seed, split=split), data.path
     try:
         frame = _read_frame(Path(data.path))
@@ -298,11 +303,15 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str) -> 
     if limit is not None and candidates:
         texts = frame["prompt"].tolist()
         counts = prompt_token_counts([texts[i] for i in candidates], model_path, cfg.model.trust_remote_code)
-        budget = limit - cfg.rollout.max_new_tokens
+        # multi-turn: an episode's turns and observations share one budget after the prompt
+        env = cfg.rollout.environment
+        field, after = (("rollout.environment.max_episode_tokens", env.max_episode_tokens) if env is not None
+                        else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+        budget = limit - after
         too_long = [i for i, count in zip(candidates, counts) if count > budget]
         if too_long:
             problems["too_long"] = too_long
-            context = (f"prompt tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens} must be at most "
+            context = (f"prompt tokens + {field}={after} must be at most "
                        f"{limit}, from {source}; the longest prompt has {int(counts.max())} tokens")
     problems |= _id_problems(frame, data, _flagged(problems))
     if not problems:

@@ -50,6 +50,8 @@ class EvalSettings:
     on_error: float
     timeout_s: float
     success_threshold: float
+    # multi-turn episodes (rollout.environment): name, options, max_turns, max_episode_tokens; evaluated as trained
+    environment: dict | None = None
 
     @classmethod
     def of(cls, cfg: JobConfig) -> "EvalSettings":
@@ -60,6 +62,7 @@ class EvalSettings:
             seed=cfg.train.seed, prompts_per_call=ev.prompts_per_call, engine=ev.engine or cfg.rollout.engine,
             reward_functions=tuple((f.name, f.weight) for f in cfg.reward.functions), on_error=cfg.reward.on_error,
             timeout_s=cfg.reward.timeout_s, success_threshold=cfg.reward.success_threshold,
+            environment=None if cfg.rollout.environment is None else cfg.rollout.environment.model_dump(),
         )
 
     @property
@@ -71,6 +74,10 @@ class EvalSettings:
             model_path=model_path, engine=self.engine, n=max(self.n, 1), max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, engine_options=engine_options,
             policy_version=policy_version,
+            **({} if self.environment is None else dict(
+                in_flight=True, environment=self.environment["name"],
+                environment_options=dict(self.environment["options"]), max_turns=self.environment["max_turns"],
+                max_episode_tokens=self.environment["max_episode_tokens"])),
         )
 
     def reward_kwargs(self) -> dict:

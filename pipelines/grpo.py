@@ -80,6 +80,10 @@ class JobResult:
 
 def resolve_model_path(model: ModelConfig) -> str:
     """A local model folder; the builtin tiny model is built (once, then cached) here."""
+    if model.path == f"{BUILTIN_MODEL_PREFIX}tiny-tools":
+        from pipelines.tiny_tools import build_tiny_tool_model
+
+        return str(build_tiny_tool_model())
     if model.path.startswith(BUILTIN_MODEL_PREFIX):
         from pipelines.tiny import build_tiny_model
 
@@ -228,6 +232,10 @@ def build_rl_dataset(
         in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
         partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
     )
+    if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
+        env = cfg.rollout.environment
+        generate.update(environment=env.name, environment_options=dict(env.options), max_turns=env.max_turns,
+                        max_episode_tokens=env.max_episode_tokens)
     reward = dict(
         functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
         timeout_s=cfg.reward.timeout_s, timestamps=True,

@@ -75,7 +75,34 @@ def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
         "skipped_steps": [int(s) for s in per_step.loc[~per_step["trained"], "train_step"]],
         "steps": per_step.to_dict("records"),
         "ledger": ledger.to_dict("records"),
+        **({"episodes": step_episodes(checkpoint, step)} if step is not None else {}),
     }
+
+
+def rollouts_file(checkpoint: Checkpoint, step: int) -> Path:
+    """Where the job kept step `step`'s rollouts (tracking.log_rollouts): output_dir/rollouts/RUN_ID/."""
+    run_dir = checkpoint.path.parent
+    return run_dir.parent.parent / "rollouts" / run_dir.name / f"step_{step:06d}.parquet"
+
+
+def step_episodes(checkpoint: Checkpoint, step: int) -> list[dict]:
+    """The multi-turn episodes of step `step` (rollout.environment), from its rollouts Parquet: per episode
+    its group, reward, what ended it and its turns ([] for single-turn steps or without the file)."""
+    path = rollouts_file(checkpoint, step)
+    if not path.is_file():
+        return []
+    table = pd.read_parquet(path)
+    if "turns" not in table.columns:
+        return []
+    episodes = []
+    for row in table.to_dict("records"):
+        for index, turns in enumerate(row["turns"]):
+            episodes.append({
+                "group_uid": row["group_uid"], "prompt_id": row["prompt_id"], "episode": index,
+                "prompt": row["prompt"], "reward": float(row["rewards"][index]),
+                "end": str(row["episode_ends"][index]), "turns": json.loads(turns),
+            })
+    return episodes
 
 
 def _versions(row: dict) -> str:
@@ -107,6 +134,22 @@ def format_lineage(info: dict, step: int | None) -> str:
     for row in info["ledger"]:
         lines.append(f"  {row['group_uid']:<16} {str(row['prompt_id']):<16} {row['epoch']!s:>5} "
                      f"{row['policy_version']:>7} {row['staleness']:>5}")
+    if info.get("episodes"):
+        lines.append(f"  episodes ({len(info['episodes'])}): turn: model text -> tool call -> observation [reward]")
+        for episode in info["episodes"]:
+            lines.append(f"  {episode['group_uid']} #{episode['episode']} {episode['prompt']!r}: reward "
+                         f"{episode['reward']:g}, ended by {episode['end']}")
+            for number, turn in enumerate(episode["turns"], start=1):
+                parts = [repr(turn.get("text", ""))]
+                if turn.get("tool_call"):
+                    parts.append(f"call {turn['tool_call']}")
+                if turn.get("observation"):
+                    parts.append(f"-> {turn['observation']!r}")
+                if turn.get("error"):
+                    parts.append(f"(error: {turn['error']})")
+                if turn.get("reward") is not None:
+                    parts.append(f"[{turn['reward']:g}]")
+                lines.append(f"      {number}. " + " ".join(parts))
     return "\n".join(lines)
 
 

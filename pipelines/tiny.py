@@ -88,12 +88,15 @@ DEFAULT_WARMUP: dict[str, Any] = dict(
 # --------------------------------------------------------------------------- tokenizer
 
 
-def build_char_tokenizer():
-    """Character-level tokenizer; ``encode`` adds ``<bos>`` (never ``<eos>``)."""
+def build_char_tokenizer(chars: list[str] | None = None):
+    """Character-level tokenizer; ``encode`` adds ``<bos>`` (never ``<eos>``).
+
+    ``chars``: the characters after the special tokens (default ``CHARS``); a task that needs
+    more appends them, so the ids of ``CHARS`` do not move (pipelines/tiny_tools.py)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS if chars is None else chars))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Every single character (space included) is its own token.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
