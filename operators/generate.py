@@ -30,6 +30,14 @@ requests in flight through the swap, so a response may span versions: `token_pol
 records, per response token, the version that sampled it, `policy_version` is the oldest (what
 staleness counts) and `policy_version_max` the newest. `time_weight_sync` is then the update
 pauses the group sat through. The HF engine is call-synchronous: one call at a time per actor.
+
+**Multi-turn** (`environment=...`, in flight only): each of a row's `n` responses is an episode
+(operators/environment.py; `RolloutLoop.submit_episodes`): the model's turns alternate with the
+environment's observations, every turn a request of its own. The response tokens hold both;
+`loss_masks` marks the model's (1) and the observations' (0), and the rows add `turns`,
+`num_turns`, `episode_ends`, `env_rewards`, `tool_calls`, `tool_errors`, `env_errors`
+(`add_episode_columns`). `responses` is the whole transcript after the prompt. Reusable as is in
+a plain Ray Data job for agent evaluation: give the actor `environment` and `in_flight=True`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ A function that raises, or returns None for a sample, never kills the job: the a
 samples get `on_error` and are counted in the `reward_errors` column. With a timeout the
 functions run in a sandbox child process, so one that hangs costs its batch `on_error`
 (counted in `reward_timeouts`), not the job.
+
+Multi-turn rows (operators/environment.py) carry `env_rewards`, the environment's own rewards per
+episode: they are added to the functions' sum.
 """
 
 from __future__ import annotations

@@ -92,6 +92,9 @@ class UpdateRecord:
     pause_s: float  # the whole stall: drain + load + resume
     in_flight: int  # sequences in the engine when the update began
     at: float = field(default_factory=time.time)
+    # without partial rollout: how long the update waited for multi-turn episodes in flight to end (the
+    # engine went on decoding them; new episodes waited), before its pause
+    episode_wait_s: float = 0.0
 
 
 class RolloutLoop:
@@ -324,8 +327,8 @@ class RolloutLoop:
                     episode.end = "done" if result.done else "eos"
                     break
                 observation = self.engine.encode_text(result.observation) if result.observation else []
-                record["observation"] = result.observation
-                if index + 1 < max_turns:  # an observation no turn reads is not appended
+                if index + 1 < max_turns:  # an observation no turn reads is not appended (nor recorded)
+                    record["observation"] = result.observation
                     room = max_tokens - len(tokens)
                     if len(observation) >= room:  # no room left for a turn after it
                         observation = observation[:room]
@@ -396,9 +399,11 @@ class RolloutLoop:
             if not self.partial_rollout and self.update_when == "idle":
                 async with self._slots:  # decode on with the old weights until nothing is in flight
                     await self._slots.wait_for(lambda: self.in_flight == 0)
+            waited = time.perf_counter()
             if not self.partial_rollout and self.episodes_active:
                 # every episode from one version: no new episode starts, those running end (all their
-                # turns) with the old weights; "idle" needs no hold, it waits for nothing in flight above
+                # turns) with the old weights; in "idle" mode too, as an episode waiting for its tool holds
+                # no engine slot
                 async with self._slots:
                     self._swap_waiting = True
                     try:
@@ -418,7 +423,8 @@ class RolloutLoop:
             end = time.perf_counter()
             self._pauses.append((start_wall, start_wall + end - start))
             del self._pauses[:-64]
-            record = UpdateRecord(version, pull_s, prepare_s, paused - start, loaded - paused, end - start, in_flight)
+            record = UpdateRecord(version, pull_s, prepare_s, paused - start, loaded - paused, end - start, in_flight,
+                                  episode_wait_s=start - waited)
             self.updates.append(record)
             return record
 

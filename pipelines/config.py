@@ -949,8 +949,13 @@ class JobConfig(_Section):
         if not self.algorithm.dynamic_sampling:
             return self.train.groups_per_step
         return self.algorithm.dynamic_sampling_groups or 2 * self.train.groups_per_step
+
     def _eval_engine_problems(self) -> list[str]:
-        """The evaluator's vLLM engine takes rollout.vllm, tensor_parallel_size included, in one plain actor."""
+        """The evaluator's vLLM engine takes rollout.vllm, tensor_parallel_size included, in one plain actor;
+        multi-turn episodes are evaluated as they are trained, on an in-flight engine."""
+        if self.eval is not None and self.rollout.environment is not None and self.eval.engine == "hf":
+            return ["eval.engine: hf cannot run the episodes of rollout.environment (every turn is a request to "
+                    "an in-flight engine); leave eval.engine unset (the rollout's vllm) or set it to vllm"]
         tp = self.rollout.vllm.tensor_parallel_size
         if self.eval is None or tp == 1 or (self.eval.engine or self.rollout.engine) != "vllm":
             return []

