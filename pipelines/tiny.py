@@ -142,12 +142,16 @@ HELDOUT_SEED = 20261201
 
 def split_problems(max_operand: int, split: str) -> list[tuple[str, str]]:
     """The problems of one split: "all", "train" (never held out) or "heldout" (disjoint from "train")."""
+    return choose_split(_all_problems(max_operand), split, HELDOUT_SEED)
+
+
+def choose_split(problems: list, split: str, seed: int) -> list:
+    """`problems` of one split: all, train or heldout (HELDOUT_FRACTION of them, chosen by `seed`)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {list(SPLITS)}")
-    problems = _all_problems(max_operand)
     if split == "all":
         return problems
-    order = np.random.default_rng(HELDOUT_SEED).permutation(len(problems))
+    order = np.random.default_rng(seed).permutation(len(problems))
     held = max(1, round(HELDOUT_FRACTION * len(problems)))
     chosen = sorted(order[:held]) if split == "heldout" else sorted(order[held:])
     return [problems[i] for i in chosen]
@@ -163,9 +167,15 @@ def make_arithmetic_dataset(
     "heldout" split, which never repeats a problem (at most its size is returned).
     ``prompt_id`` is the row position, e.g. ``"arith-00017"`` (``"arith-heldout-00003"``).
     """
+    return problem_table(split_problems(max_operand, split), num_prompts, seed, split, "arith")
+
+
+def problem_table(problems: list[tuple[str, str]], num_prompts: int, seed: int, split: str, name: str) -> pd.DataFrame:
+    """`num_prompts` of (prompt, answer) `problems` as a dataset (prompt_id, prompt, answer): a seeded
+    permutation while there are enough, then drawn with replacement, except from "heldout", which never
+    repeats one. prompt ids `<name>-00017`, `<name>-heldout-00003`."""
     if num_prompts < 0:
         raise ValueError("num_prompts must be >= 0")
-    problems = split_problems(max_operand, split)
     if split == "heldout":
         num_prompts = min(num_prompts, len(problems))
     rng = np.random.default_rng(seed)
@@ -173,7 +183,7 @@ def make_arithmetic_dataset(
     idx = list(rng.permutation(len(problems))[:n_distinct])
     if num_prompts > n_distinct:
         idx += list(rng.integers(0, len(problems), size=num_prompts - n_distinct))
-    prefix = "arith-heldout" if split == "heldout" else "arith"
+    prefix = f"{name}-heldout" if split == "heldout" else name
     return pd.DataFrame(
         {
             "prompt_id": [f"{prefix}-{i:05d}" for i in range(num_prompts)],
@@ -196,16 +206,24 @@ def default_cache_dir() -> Path:
     return Path("~/.cache/streamrl/models").expanduser()
 
 
-def _build_params(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def split_overrides(overrides: dict[str, Any], warmup_defaults: dict[str, Any],
+                    builder: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model config, warm-up) of a tiny model's build: the defaults with `overrides` applied, each
+    either a warm-up knob or a LlamaConfig field; anything else is a TypeError naming `builder`."""
     model_cfg = dict(DEFAULT_MODEL_CONFIG)
-    warmup = dict(DEFAULT_WARMUP)
+    warmup = dict(warmup_defaults)
     for key, value in overrides.items():
         if key in warmup:
             warmup[key] = value
         elif key.startswith("warmup_") or not _is_llama_config_field(key):
-            raise TypeError(f"unknown build_tiny_model parameter {key!r}")
+            raise TypeError(f"unknown {builder} parameter {key!r}")
         else:
             model_cfg[key] = value
+    return model_cfg, warmup
+
+
+def _build_params(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    model_cfg, warmup = split_overrides(overrides, DEFAULT_WARMUP, "build_tiny_model")
     return {
         "build_version": BUILD_VERSION,
         "seed": seed,
@@ -333,7 +351,10 @@ def _soft_loss(model, ids, mask, target, weight) -> torch.Tensor:
     return (per_pos * weight).sum() / weight.sum()
 
 
-def _build(path: Path, params: dict[str, Any], tokenizer) -> dict[str, Any]:
+def _build(path: Path, params: dict[str, Any], tokenizer, batches=None) -> dict[str, Any]:
+    """The warm-up (phase "clean", then "noisy"; see DEFAULT_WARMUP) and the save. `batches(phase)`: the
+    next batch (ids, mask, soft targets, weights) of a phase; default: the arithmetic task's. The tiny
+    tool task (pipelines/tiny_tools.py) passes its own."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     w = params["warmup"]
@@ -356,7 +377,11 @@ def _build(path: Path, params: dict[str, Any], tokenizer) -> dict[str, Any]:
     clean, noisy = int(w["warmup_clean_steps"]), int(w["warmup_steps"])
     ramp = max(1, (clean + noisy) // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / ramp))
-    data = _WarmupData(tokenizer, w, torch.Generator().manual_seed(params["seed"]))
+    if batches is None:
+        data = _WarmupData(tokenizer, w, torch.Generator().manual_seed(params["seed"]))
+
+        def batches(phase: str):
+            return data.batch(1.0 if phase == "clean" else float(w["warmup_correct_prob"]))
     t0 = time.perf_counter()
     losses = {"clean": float("nan"), "noisy": float("nan")}
     for step in range(clean + noisy):
@@ -365,13 +390,12 @@ def _build(path: Path, params: dict[str, Any], tokenizer) -> dict[str, Any]:
             if w["warmup_noisy_lr"] is not None:
                 sched.base_lrs = [float(w["warmup_noisy_lr"])] * len(sched.base_lrs)
             if w["warmup_noisy_params"] == "head":
-                # keep the body's knowledge of the sum; only recalibrate the head
+                # keep the body's knowledge (of the sum; of copying, for the tool task); recalibrate the head
                 for name, prm in model.named_parameters():
                     prm.requires_grad_(name.startswith("lm_head"))
             elif w["warmup_noisy_params"] != "all":
                 raise ValueError("warmup_noisy_params must be 'head' or 'all'")
-        p = 1.0 if phase == "clean" else float(w["warmup_correct_prob"])
-        loss = _soft_loss(model, *data.batch(p))
+        loss = _soft_loss(model, *batches(phase))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -414,19 +438,27 @@ def build_tiny_model(cache_dir: str | Path | None = None, seed: int = 0, **overr
     renamed into place with the marker file written last, so a crash never leaves
     a half-built folder under the final name.
     """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     params = _build_params(seed, overrides)
-    final = cache / f"tiny-llama-arith-{_params_hash(params)}"
+    return build_cached(cache_dir, "tiny-llama-arith", params, build_char_tokenizer, _build, threads=2)
+
+
+def build_cached(cache_dir: str | Path | None, prefix: str, params: dict[str, Any], make_tokenizer, build,
+                 threads: int) -> Path:
+    """`cache/<prefix>-<hash of params>`, built by `build(folder, params, tokenizer)` if it is not there yet:
+    in a temporary sibling, renamed into place with the marker file written last (a crash never leaves a
+    half-built folder under the final name), with `threads` torch threads and the caller's RNG untouched."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    final = cache / f"{prefix}-{_params_hash(params)}"
     if _is_complete(final):
         return final
 
     cache.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer()
+    tokenizer = make_tokenizer()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
     try:
         # fixed thread count and seeds: deterministic; the caller's RNG is untouched
-        with _torch_threads(2), torch.random.fork_rng(devices=[]):
-            info = _build(tmp, params, tokenizer)
+        with _torch_threads(threads), torch.random.fork_rng(devices=[]):
+            info = build(tmp, params, tokenizer)
         marker = {"params": params, **info, "built_at": time.time()}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True))
         if final.exists() and not _is_complete(final):
@@ -443,6 +475,19 @@ def build_tiny_model(cache_dir: str | Path | None = None, seed: int = 0, **overr
 
 
 # ---------------------------------------------------------------------------- evaluate
+
+
+def load_model(model_path, tokenizer, make_tokenizer):
+    """(model, tokenizer) of a folder (its own tokenizer unless one is given), or of an already loaded
+    model (with `tokenizer`, else `make_tokenizer()`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(model_path, (str, Path)):
+        return model_path, tokenizer if tokenizer is not None else make_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    return model, tokenizer
 
 
 @torch.no_grad()
@@ -462,16 +507,7 @@ def success_rate(
     ``model_path`` is a folder from ``build_tiny_model`` or an already loaded model
     (then pass ``tokenizer`` or it is rebuilt with ``build_char_tokenizer``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if isinstance(model_path, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    else:
-        model = model_path
-        if tokenizer is None:
-            tokenizer = build_char_tokenizer()
+    model, tokenizer = load_model(model_path, tokenizer, build_char_tokenizer)
     was_training = model.training
     model.eval()
     prompts = list(prompts_df["prompt"])

@@ -18,11 +18,6 @@ is allowed and almost always wrong: the tiny model cannot add two-digit numbers.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +29,15 @@ from operators.environment import MAX_EXPRESSION_CHARS, MAX_MAGNITUDE, calculato
 from operators.reward import tool_answer_exact  # noqa: F401 - the task's reward
 from pipelines.tiny import (
     CHARS,
-    DEFAULT_MODEL_CONFIG,
-    HELDOUT_FRACTION,
-    MARKER_FILE,
     SPECIAL_TOKENS,
-    SPLITS,
-    _is_complete,
-    _is_llama_config_field,
-    _params_hash,
-    _soft_loss,
-    _torch_threads,
+    build_cached,
+    choose_split,
+    load_model,
+    problem_table,
+    split_overrides,
     build_char_tokenizer,
-    default_cache_dir,
 )
+from pipelines.tiny import _build as tiny_build
 
 CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE = "[", "]", "{", "}"
 # Appended after tiny.CHARS: the ids of the arithmetic characters stay those of pipelines.tiny.
@@ -109,15 +100,7 @@ def _tool_problems() -> list[tuple[str, str]]:
 def split_tool_problems(split: str) -> list[tuple[str, str]]:
     """The problems of one split: "all", "train" (never held out) or "heldout" (disjoint from
     "train", ``HELDOUT_FRACTION`` of the 8100 problems).  The warm-up saw every problem."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {list(SPLITS)}")
-    problems = _tool_problems()
-    if split == "all":
-        return problems
-    order = np.random.default_rng(TOOLS_HELDOUT_SEED).permutation(len(problems))
-    held = max(1, round(HELDOUT_FRACTION * len(problems)))
-    chosen = sorted(order[:held]) if split == "heldout" else sorted(order[held:])
-    return [problems[i] for i in chosen]
+    return choose_split(_tool_problems(), split, TOOLS_HELDOUT_SEED)
 
 
 def make_tool_dataset(num_prompts: int, seed: int = 0, split: str = "all") -> pd.DataFrame:
@@ -127,24 +110,7 @@ def make_tool_dataset(num_prompts: int, seed: int = 0, split: str = "all") -> pd
     replacement, except from "heldout", which never repeats one (at most its size is returned).
     ``prompt_id`` is the row position, e.g. ``"tools-00017"`` (``"tools-heldout-00003"``).
     """
-    if num_prompts < 0:
-        raise ValueError("num_prompts must be >= 0")
-    problems = split_tool_problems(split)
-    if split == "heldout":
-        num_prompts = min(num_prompts, len(problems))
-    rng = np.random.default_rng(seed)
-    n_distinct = min(num_prompts, len(problems))
-    idx = list(rng.permutation(len(problems))[:n_distinct])
-    if num_prompts > n_distinct:
-        idx += list(rng.integers(0, len(problems), size=num_prompts - n_distinct))
-    prefix = "tools-heldout" if split == "heldout" else "tools"
-    return pd.DataFrame(
-        {
-            "prompt_id": [f"{prefix}-{i:05d}" for i in range(num_prompts)],
-            "prompt": [problems[j][0] for j in idx],
-            "answer": [problems[j][1] for j in idx],
-        }
-    )
+    return problem_table(split_tool_problems(split), num_prompts, seed, split, "tools")
 
 
 # ------------------------------------------------------------------------- tool, reward
@@ -173,15 +139,7 @@ def tool_observation(turn: str) -> str | None:
 
 
 def _build_params(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    model_cfg = dict(DEFAULT_MODEL_CONFIG)
-    warmup = dict(DEFAULT_TOOL_WARMUP)
-    for key, value in overrides.items():
-        if key in warmup:
-            warmup[key] = value
-        elif key.startswith("warmup_") or not _is_llama_config_field(key):
-            raise TypeError(f"unknown build_tiny_tool_model parameter {key!r}")
-        else:
-            model_cfg[key] = value
+    model_cfg, warmup = split_overrides(overrides, DEFAULT_TOOL_WARMUP, "build_tiny_tool_model")
     return {
         "task": "tools",
         "build_version": TOOLS_BUILD_VERSION,
@@ -298,66 +256,9 @@ class _ToolWarmupData:
 
 
 def _build(path: Path, params: dict[str, Any], tokenizer) -> dict[str, Any]:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    w = params["warmup"]
-    torch.manual_seed(params["seed"])
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        dtype="float32",
-        **params["model"],
-    )
-    head_dim = config.hidden_size // config.num_attention_heads
-    if head_dim < 32:
-        raise ValueError(f"head_dim {head_dim} < 32 (vLLM's CPU attention kernel needs >= 32)")
-    config._attn_implementation = "eager"  # fastest for these tiny shapes on CPU
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=w["warmup_lr"], weight_decay=0.0)
-    clean, noisy = int(w["warmup_clean_steps"]), int(w["warmup_steps"])
-    ramp = max(1, (clean + noisy) // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / ramp))
-    data = _ToolWarmupData(tokenizer, w, torch.Generator().manual_seed(params["seed"]))
-    t0 = time.perf_counter()
-    losses = {"clean": float("nan"), "noisy": float("nan")}
-    for step in range(clean + noisy):
-        phase = "clean" if step < clean else "noisy"
-        if step == clean:
-            if w["warmup_noisy_lr"] is not None:
-                sched.base_lrs = [float(w["warmup_noisy_lr"])] * len(sched.base_lrs)
-            if w["warmup_noisy_params"] == "head":
-                # keep the body's copying; only recalibrate the head
-                for name, prm in model.named_parameters():
-                    prm.requires_grad_(name.startswith("lm_head"))
-            elif w["warmup_noisy_params"] != "all":
-                raise ValueError("warmup_noisy_params must be 'head' or 'all'")
-        loss = _soft_loss(model, *data.batch(noisy=phase == "noisy"))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses[phase] = loss.item()
-    for prm in model.parameters():
-        prm.requires_grad_(True)
-    model.eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=True,
-        temperature=1.0,
-    )
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return {
-        "warmup_seconds": time.perf_counter() - t0,
-        "final_clean_loss": losses["clean"],
-        "final_noisy_loss": losses["noisy"],
-    }
+    """pipelines.tiny's warm-up and save, on the tool task's batches."""
+    data = _ToolWarmupData(tokenizer, params["warmup"], torch.Generator().manual_seed(params["seed"]))
+    return tiny_build(path, params, tokenizer, batches=lambda phase: data.batch(noisy=phase == "noisy"))
 
 
 def build_tiny_tool_model(cache_dir: str | Path | None = None, seed: int = 0, **overrides) -> Path:
@@ -369,32 +270,8 @@ def build_tiny_tool_model(cache_dir: str | Path | None = None, seed: int = 0, **
     and renamed into place with the marker file written last, so a crash never leaves a
     half-built folder under the final name; one thread and fixed seeds make it deterministic.
     """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    params = _build_params(seed, overrides)
-    final = cache / f"tiny-llama-tools-{_params_hash(params)}"
-    if _is_complete(final):
-        return final
-
-    cache.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tool_tokenizer()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
-    try:
-        # fixed thread count and seeds: deterministic; the caller's RNG is untouched
-        with _torch_threads(1), torch.random.fork_rng(devices=[]):
-            info = _build(tmp, params, tokenizer)
-        marker = {"params": params, **info, "built_at": time.time()}
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True))
-        if final.exists() and not _is_complete(final):
-            shutil.rmtree(final, ignore_errors=True)  # leftover of an older layout
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not _is_complete(final):  # someone else won a race with a good copy
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_cached(cache_dir, "tiny-llama-tools", _build_params(seed, overrides), build_tool_tokenizer, _build,
+                        threads=1)
 
 
 # ---------------------------------------------------------------------------- evaluate
@@ -494,16 +371,7 @@ def tool_success_rate(
     ``tokenizer`` or it is rebuilt with ``build_tool_tokenizer``).  A reference for tests and for
     checking the warm-up, not the production rollout (operators/rollout.py).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if isinstance(model_path, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    else:
-        model = model_path
-        if tokenizer is None:
-            tokenizer = build_tool_tokenizer()
+    model, tokenizer = load_model(model_path, tokenizer, build_tool_tokenizer)
     prompts = list(prompts_df["prompt"])
     answers = [str(a) for a in prompts_df["answer"]]
     if not prompts:
