@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
+from operators.environment import Turn
 from operators.faults import fault_point
 from operators.weights import received_async
 
@@ -308,8 +309,6 @@ class RolloutLoop:
                           "version": min(vers) if vers else self.version}
                 turns.append(record)
                 try:
-                    from operators.environment import Turn
-
                     result = await loop.run_in_executor(self._env_executor, env.step,
                                                         Turn(index, text, list(ids), ended_by, history))
                 except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, not the job
