@@ -6,9 +6,12 @@ also enforces admission control against the policy store:
     ds.map_batches(Generate, fn_constructor_kwargs={"model_path": path, "n": 4},
                    compute=ray.data.ActorPoolStrategy(size=2), batch_format="pandas")
 
-Input rows need a `prompt` column. If a row has `train_step` and a policy store is given,
+Input rows need a `prompt` column: text, or chat messages (a list of `{role, content}`), rendered by
+`operators.prompts.PromptRenderer` with `chat_template` ("auto": the tokenizer's chat template for
+messages or with a `system_prompt`; "none"; or a Jinja file) and `system_prompt`. If a row has `train_step` and a policy store is given,
 the group is generated only once the store holds a version >= train_step - max_staleness,
-with the newest weights the store has. Output adds `prompt_token_ids`, `responses`,
+with the newest weights the store has. Output adds `prompt_token_ids`, `prompt_text` (the prompt
+as the model read it, template applied), `responses`,
 `response_token_ids`, `behavior_logprobs`, `response_lengths`, `policy_version`,
 `time_generate`, `time_weight_sync` and the call's busy interval: `generator_id`,
 `generate_start`, `generate_end` (wall clock; weight pull included, admission wait
@@ -52,6 +55,7 @@ import pandas as pd
 
 from operators.engines import SamplingParams, make_engine
 from operators.engines.base import make_in_flight_engine
+from operators.prompts import PromptFormat, PromptRenderer, is_messages
 from operators.weights import fetch
 
 
@@ -79,14 +83,20 @@ class Generate:
         environment_options: dict | None = None,
         max_turns: int = 4,
         max_episode_tokens: int = 256,
+        chat_template: str = "auto",
+        system_prompt: str | None = None,
     ):
         """`policy_version`: the version of the weights in `model_path` (0 for the base model; a
         checkpoint's step when evaluating it), recorded in every row and part of the sampling seed.
         `environment` (in flight only): run multi-turn episodes with it (operators/environment.py;
         a builtin name such as "tools", or 'module:Class', built with `environment_options`), at most
         `max_turns` turns of at most `max_new_tokens` tokens each and `max_episode_tokens` tokens after
-        the prompt per episode."""
+        the prompt per episode. `chat_template` and `system_prompt`: how prompts are rendered
+        (operators/prompts.py)."""
         self.rollout = None
+        self.model_path = model_path
+        self.prompt_format = PromptFormat(chat_template, system_prompt)
+        self._renderer: PromptRenderer | None = None
         self.environment = None
         if environment is not None:
             if not in_flight:
@@ -160,9 +170,9 @@ class Generate:
 
     def _submit(self, batch: pd.DataFrame, greedy: bool):
         batch = batch.reset_index(drop=True)
-        prompt_ids = self.engine.encode([str(p) for p in batch["prompt"]])
+        prompt_ids = self._encode(batch)
         params = SamplingParams(**{**self.params.__dict__, **({"n": 1, "temperature": 0.0} if greedy else {})})
-        uids = [str(uid) for uid in batch.get("group_uid", batch["prompt"])]
+        uids = [str(uid) for uid in batch.get("group_uid", batch["prompt"])]  # str(): messages too
         version = self.rollout.version
         seeds = [self._group_seed(uid, version, params.n) for uid in uids]
         if self.environment is not None:
@@ -185,6 +195,29 @@ class Generate:
         finally:
             for future in futures:  # a failed or abandoned call: stop its requests
                 future.cancel()
+
+    def _encode(self, batch: pd.DataFrame) -> list[list[int]]:
+        """The prompts' token ids, rendered (operators/prompts.py); sets the batch's `prompt_text`. Text
+        prompts with no template to apply are the engine's own `encode` (any engine class has one)."""
+        prompts = list(batch["prompt"])
+        default = self.prompt_format == PromptFormat()
+        if default and not any(is_messages(p) for p in prompts):
+            batch["prompt_text"] = [str(p) for p in prompts]
+            return self.engine.encode([str(p) for p in prompts])
+        renderer = self.renderer()
+        batch["prompt_text"] = [renderer.render(p) for p in prompts]
+        return renderer.encode(prompts)
+
+    def renderer(self) -> PromptRenderer:
+        """The prompt renderer, on the engine's tokenizer (or the model folder's)."""
+        if self._renderer is None:
+            tokenizer = getattr(self.engine, "tokenizer", None)
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            self._renderer = PromptRenderer(tokenizer, self.prompt_format)
+        return self._renderer
 
     def _group_seed(self, uid: str, version: int, n: int) -> int:
         """Stable per-group seed: same group and policy version -> same samples (vLLM gives the
@@ -260,7 +293,7 @@ class Generate:
             self.busy_since = time.time()
         start = time.perf_counter()
         batch = batch.reset_index(drop=True).copy()
-        prompt_ids = self.engine.encode([str(p) for p in batch["prompt"]])
+        prompt_ids = self._encode(batch)
         greedy_params = {"n": 1, "temperature": 0.0} if greedy else {}
         params = SamplingParams(**{**self.params.__dict__, "seed": self._call_seed(batch), **greedy_params})
         groups = self.engine.generate(prompt_ids, params) if len(batch) else []

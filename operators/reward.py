@@ -42,7 +42,7 @@ REWARD_FUNCTIONS = Registry("reward function")
 
 # Columns the pipeline adds; everything else in a row is a dataset column passed to rewards.
 PIPELINE_COLUMNS = frozenset({
-    "responses", "response_token_ids", "behavior_logprobs", "prompt_token_ids", "response_lengths",
+    "responses", "response_token_ids", "behavior_logprobs", "prompt_token_ids", "prompt_text", "response_lengths",
     "policy_version", "group_uid", "train_step", "rewards", "advantages", "reward_errors", "reward_timeouts",
     "generator_id", "generate_start", "generate_end", "policy_version_max", "token_policy_versions",
     # multi-turn episodes (operators/environment.py)

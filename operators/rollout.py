@@ -355,6 +355,7 @@ class RolloutLoop:
         logprobs: list[float] = []
         versions: list[int] = []
         ended_by = "length"
+        stops = set(getattr(self.engine, "stop_ids", None) or (getattr(self.engine, "eos_id", None),))
         try:
             stream = self.engine.stream(context, params, seed, request_id, f"policy-v{self.version}")
             async with contextlib.aclosing(stream):
@@ -365,7 +366,7 @@ class RolloutLoop:
                         tokens.append(token)
                         logprobs.append(logprob)
                         versions.append(version)
-                        if token == getattr(self.engine, "eos_id", None):
+                        if token in stops:
                             ended_by = "eos"
                             break
                         if stop and any(self.engine.decode(tokens).endswith(s) for s in stop):

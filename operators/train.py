@@ -38,9 +38,11 @@ from operators.batching import trained_tokens
 # `policy_version` is the oldest version that sampled a token of the group (what staleness counts),
 # `policy_version_max` the newest: they differ only under partial rollout, where `token_policy_versions`
 # gives the version of every response token; `generator_id` the generate actor (host:pid) that sampled it.
+# `prompt_text` is the prompt as the model read it (chat template applied); `response_token_ids` the sampled
+# tokens, the stop token included.
 ROLLOUT_COLUMNS = [
     "prompt_id", "group_uid", "epoch", "policy_version", "policy_version_max", "train_step", "staleness", "prompt",
-    "responses", "response_lengths", "token_policy_versions", "rewards", "advantages", "reward_errors",
+    "prompt_text", "responses", "response_token_ids", "response_lengths", "token_policy_versions", "rewards", "advantages", "reward_errors",
     "reward_timeouts", "used", "dropped", "generator_id",
 ]
 STAGES = ("generate", "weight_sync", "reward", "advantage")
@@ -372,6 +374,10 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
             table[column] = None
     for column in ("responses", "response_lengths", "rewards", "advantages"):
         table[column] = table[column].map(list)
+    # chat messages arrive as numpy arrays of dicts (Arrow list<struct> in a pandas batch)
+    table["prompt"] = table["prompt"].map(lambda cell: cell.tolist() if hasattr(cell, "tolist") else cell)
+    table["response_token_ids"] = table["response_token_ids"].map(
+        lambda cell: None if cell is None else [[int(t) for t in response] for response in cell])
     table["token_policy_versions"] = table["token_policy_versions"].map(
         lambda cell: [[int(v) for v in response] for response in cell])
     critic = [column for column in CRITIC_COLUMNS if column in table.columns]

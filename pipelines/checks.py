@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.config import BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, JobConfig
+from pipelines.config import BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, DataConfig, JobConfig
 
 
 def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
@@ -16,16 +16,20 @@ def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
     lines: list[str] = []
     sections = [(cfg.data, "data")] + ([(cfg.eval.data, "eval.data")] if cfg.eval is not None else [])
     for data, where in sections:
-        problems, resolved = dataset_problems(data.path, data.prompt_column, data.id_column, where)
+        problems, resolved = dataset_problems(data.path, data.prompt_column, data.id_column, where, data=data)
         lines += problems
         data.path = resolved
+    from pipelines.models import model_problems
+
+    lines += model_problems(cfg)
     lines += tensor_parallel_problems(cfg)
     if cfg.ray.cluster is not None:
         from pipelines.memory import trainer_memory_problem
         from pipelines.resources import declared_nodes, plan_problems
 
         lines += [f"ray.cluster: {text}" for text in plan_problems(cfg, declared_nodes(cfg.ray.cluster))]
-        memory = trainer_memory_problem(cfg, cfg.model.path)
+        model_folder = _model_folder_at_hand(cfg)
+        memory = trainer_memory_problem(cfg, model_folder) if model_folder else None
         lines += [memory] if memory else []
     return [tuple(line.split(": ", 1)) for line in lines]
 
@@ -33,13 +37,15 @@ def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
 def tensor_parallel_problems(cfg: JobConfig) -> list[str]:
     """vLLM splits attention heads over the tensor-parallel ranks: the model's head count must divide by
     rollout.vllm.tensor_parallel_size, and its key/value heads must divide by it or it by them (replicated).
-    Read from the model folder's config.json; nothing to say when it cannot be read."""
+    Read from the model folder's config.json; nothing to say when it cannot be read (a Hub id not in the
+    cache, a builtin not built yet: nothing is downloaded or built to check a config)."""
     tp = cfg.rollout.vllm.tensor_parallel_size
     if tp == 1 or cfg.rollout.engine != "vllm":
         return []
     from pipelines.memory import model_shape
 
-    shape = model_shape(cfg.model.path)
+    model_folder = _model_folder_at_hand(cfg)
+    shape = model_shape(model_folder) if model_folder else None
     if shape is None:
         return []
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
@@ -50,9 +56,32 @@ def tensor_parallel_problems(cfg: JobConfig) -> list[str]:
             f"({kv} key/value heads) evenly; use one of {fits} (and rollout.num_gpus to match)"]
 
 
-def dataset_problems(path: str, prompt_column: str, id_column: str | None, where: str) -> tuple[list[str], str]:
+def _model_folder_at_hand(cfg: JobConfig) -> str | None:
+    """model.path's local folder when it is there without a download or a build (pipelines/models.py)."""
+    from pipelines.models import cached_model_path
+
+    return cached_model_path(cfg.model.path, cfg.model.revision)
+
+
+def dataset_problems(
+    path: str, prompt_column: str, id_column: str | None, where: str, data: DataConfig | None = None,
+) -> tuple[list[str], str]:
     """Problems ('where.field: message') that make a dataset unusable, found without reading all of it:
-    an unknown builtin, a missing or unreadable file, a missing prompt or id column. Also the path resolved."""
+    an unknown builtin, a missing or unreadable file, a missing prompt or id column; for reasoning_gym:<task>
+    the package missing, an unknown task or options it does not take (`data`: the section, for its split and
+    task_options, which apply to reasoning_gym only). Also the path resolved."""
+    from pipelines.reasoning_tasks import is_reasoning_gym, task_problems
+
+    if is_reasoning_gym(path):
+        options = data.task_options if data is not None else {}
+        return [f"{field}: {message}" for field, message in task_problems(path, options, where)], path
+    if data is not None:  # split and task_options set for another kind of dataset
+        misplaced = [f"{where}.{name}: applies only to reasoning_gym:<task> datasets, not to {path!r}; remove it"
+                     for name, given in (("split", "split" in data.model_fields_set), ("task_options", data.task_options))
+                     if given]
+        if misplaced:
+            problems, resolved = dataset_problems(path, prompt_column, id_column, where)
+            return misplaced + problems, resolved
     if path.startswith(BUILTIN_DATASET_PREFIX):
         name = path[len(BUILTIN_DATASET_PREFIX):]
         if name not in BUILTIN_DATASETS:

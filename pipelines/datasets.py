@@ -132,6 +132,17 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
 
     Reads the whole file; raises `ConfigError` on `data.path` if it cannot be read. The rows
     are not checked here: `validate_prompts` checks them all (with the tokenizer) in one pass."""
+    from pipelines.reasoning_tasks import REASONING_GYM_PREFIX
+
+    if data.path.startswith(REASONING_GYM_PREFIX):  # a reasoning-gym task's split (pipelines/reasoning_tasks.py)
+        from pipelines.reasoning_tasks import TaskError, make_task_dataset, task_name
+
+        try:
+            frame = make_task_dataset(task_name(data.path), data.num_prompts, seed=data.seed, split=data.split,
+                                      task_options=data.task_options)
+        except TaskError as err:
+            raise ConfigError(err.problems, data.path) from None
+        return frame, data.path
     if data.path.startswith(BUILTIN_DATASET_PREFIX):
         name = data.path[len(BUILTIN_DATASET_PREFIX):]
         split = BUILTIN_DATASET_SPLITS[name]
@@ -171,7 +182,9 @@ def _id_text(value) -> str:
 
 KIND_TEXT = {
     "missing_prompt": "have no prompt (missing/null value)",
-    "not_a_string": "have a prompt that is not text",
+    "not_a_string": "have a prompt that is neither text nor a list of chat messages",
+    "bad_messages": "have malformed chat messages",
+    "mixed_kinds": "hold another kind of prompt than the first row (text and chat messages cannot share a column)",
     "empty_prompt": "have an empty or whitespace-only prompt",
     "empty_id": "have an empty or missing id",
     "duplicate_id": "repeat an id of an earlier row (the ledger of trained prompts keys on ids)",
@@ -179,17 +192,60 @@ KIND_TEXT = {
 }
 
 
-def _prompt_problems(frame: pd.DataFrame) -> dict[str, list[int]]:
-    """Row positions with a missing, non-string or blank prompt, per kind."""
+def _prompt_problems(frame: pd.DataFrame) -> tuple[dict[str, list[int]], dict[int, str]]:
+    """Row positions with a missing, blank, malformed or non-text prompt, per kind, and what is wrong
+    with each row of malformed chat messages. A column holds text or messages: rows of the other kind
+    than the first well-formed row are `mixed_kinds`."""
+    from operators.prompts import is_messages, message_problem
+
     problems: dict[str, list[int]] = {}
+    reasons: dict[int, str] = {}
+    kind = None
     for index, prompt in enumerate(frame["prompt"].tolist()):
         if prompt is None or prompt is pd.NA or (isinstance(prompt, float) and np.isnan(prompt)):
             problems.setdefault("missing_prompt", []).append(index)
+            continue
+        if is_messages(prompt):
+            reason = message_problem(prompt)
+            if reason:
+                problems.setdefault("bad_messages", []).append(index)
+                reasons[index] = reason
+                continue
+            this = "messages"
         elif not isinstance(prompt, str):
             problems.setdefault("not_a_string", []).append(index)
+            continue
         elif not prompt.strip():
             problems.setdefault("empty_prompt", []).append(index)
-    return problems
+            continue
+        else:
+            this = "text"
+        kind = kind or this
+        if this != kind:
+            problems.setdefault("mixed_kinds", []).append(index)
+    return problems, reasons
+
+
+def _format_problems(frame: pd.DataFrame, renderer, skip: set[int]) -> list[tuple[str, str]]:
+    """Problems of the prompt format as a whole (not fixed by dropping rows): chat messages or a system
+    prompt with no chat template to render them."""
+    from operators.prompts import is_messages
+
+    prompts = frame["prompt"].tolist()
+    messages = any(is_messages(prompts[i]) for i in range(len(prompts)) if i not in skip)
+    fmt = renderer.fmt
+    if messages and fmt.chat_template == "none":
+        return [("data.chat_template", "the prompts are chat messages, which 'none' cannot render; use 'auto' (the "
+                 "tokenizer's chat template) or a Jinja template file")]
+    if renderer.has_template or fmt.chat_template == "none":
+        return []
+    if messages:
+        return [("data.chat_template", "the prompts are chat messages, but the model's tokenizer has no chat "
+                 "template; set data.chat_template to a Jinja template file, or give text prompts")]
+    if fmt.system_prompt is not None:
+        return [("data.system_prompt", "a system prompt needs a chat template, and the model's tokenizer has none; "
+                 "set data.chat_template to a Jinja template file, or remove data.system_prompt")]
+    return []
 
 
 def _id_problems(frame: pd.DataFrame, data: DataConfig, skip: set[int]) -> dict[str, list[int]]:
@@ -223,12 +279,15 @@ def _label(frame: pd.DataFrame, index: int, data: DataConfig) -> str:
 
 def _describe(
     problems: dict[str, list[int]], frame: pd.DataFrame, data: DataConfig, context: str | None,
-    suggest_drop: bool = True,
+    suggest_drop: bool = True, reasons: dict[int, str] | None = None,
 ) -> list[tuple[str, str]]:
-    """One ConfigError problem per kind: the count, the first few rows, the fix."""
+    """One ConfigError problem per kind: the count, the first few rows (with what is wrong, for malformed
+    messages), the fix."""
     out = []
+    reasons = reasons or {}
     for kind, rows in problems.items():
-        shown = ", ".join(_label(frame, i, data) for i in rows[:SHOWN]) + (", ..." if len(rows) > SHOWN else "")
+        shown = ", ".join(_label(frame, i, data) + (f" ({reasons[i]})" if i in reasons else "")
+                          for i in rows[:SHOWN]) + (", ..." if len(rows) > SHOWN else "")
         detail = f" ({context})" if kind == "too_long" and context else ""
         fix = {
             "too_long": "shorten or remove them, or lower rollout.max_new_tokens",
@@ -259,30 +318,47 @@ def model_context_length(cfg: JobConfig, model_path: str) -> tuple[int | None, s
     return limit, source
 
 
-def prompt_token_counts(prompts: list[str], model_path: str, trust_remote_code: bool = False) -> np.ndarray:
-    """Tokens per prompt as the rollout engines encode them (with special tokens), batch-encoded:
-    a fast tokenizer's Rust batch encoder (parallel, no offsets) where there is one."""
+def load_tokenizer(model_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def prompt_token_counts(prompts: list, renderer) -> np.ndarray:
+    """Tokens per prompt as Generate encodes them (operators.prompts.PromptRenderer: the chat template
+    applied where it is), batch-encoded: a fast tokenizer's Rust batch encoder (parallel, no offsets)
+    where there is one."""
+    tokenizer = renderer.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     fast_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
     counts = np.zeros(len(prompts), dtype=np.int64)
+    templated = np.array([renderer.uses_template(p) for p in prompts], dtype=bool)
     chunk = 16384  # bounds memory on large datasets
-    for start in range(0, len(prompts), chunk):
-        part = prompts[start:start + chunk]
-        if fast_batch is not None:
-            lengths = [len(encoding) for encoding in fast_batch(part, add_special_tokens=True)]
-        else:  # a slow (Python) tokenizer
-            lengths = [len(ids) for ids in tokenizer(part, add_special_tokens=True)["input_ids"]]
-        counts[start:start + len(part)] = lengths
+    for special in (True, False):  # text as it is (with the tokenizer's special tokens), templated without
+        indices = np.flatnonzero(templated != special)
+        for start in range(0, len(indices), chunk):
+            part = indices[start:start + chunk]
+            texts = [renderer.render(prompts[i]) for i in part]
+            if fast_batch is not None:
+                lengths = [len(encoding) for encoding in fast_batch(texts, add_special_tokens=special)]
+            else:  # a slow (Python) tokenizer
+                lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
+            counts[part] = lengths
     return counts
 
 
-def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str) -> tuple[pd.DataFrame, dict]:
+def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str,
+                     prompt_options: dict | None = None) -> tuple[pd.DataFrame, dict]:
     """Check every prompt row; return the rows kept and a report of the rows dropped.
 
-    Invalid rows: a missing, non-string, empty or whitespace-only prompt; with `data.id_column`,
+    Prompts are rendered as Generate renders them (operators/prompts.py; `prompt_options`: the
+    PromptFormat fields, default `cfg.prompt_options()`), so lengths count the chat template too.
+    A format that cannot render the prompts (chat messages or a system prompt without a chat template)
+    is an error whatever `invalid_prompts` says.
+
+    Invalid rows: a missing, empty or whitespace-only prompt, one that is neither text nor chat
+    messages, malformed messages (each row's problem is named), a row of the other kind than the first
+    (text among messages or messages among text); with `data.id_column`,
     an empty id or one an earlier row already has (the first row keeps it); a prompt whose tokens
     (the model folder's tokenizer, as the engines encode it) plus `rollout.max_new_tokens` exceed
     the model's context (config.json `max_position_embeddings`, or `rollout.vllm.max_model_len`
@@ -290,19 +366,30 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str) -> 
 
     With `data.invalid_prompts: error` any invalid row raises `ConfigError`: per kind, the count,
     the first rows and the fix. With `drop` the rows are removed; the report maps each kind
-    ("missing_prompt", "not_a_string", "empty_prompt", "empty_id", "duplicate_id", "too_long")
+    ("missing_prompt", "not_a_string", "bad_messages", "mixed_kinds", "empty_prompt", "empty_id",
+    "duplicate_id", "too_long")
     to the prompt ids of its dropped rows (only kinds that occurred; `{}` when all are valid).
     Dropping every row is an error too. A row counts under its first kind only.
     """
+    from operators.prompts import PromptFormat, PromptError, PromptRenderer
+
     data = cfg.data
     frame = prompts.reset_index(drop=True)
-    problems = _prompt_problems(frame)
+    problems, reasons = _prompt_problems(frame)
+    try:
+        renderer = PromptRenderer(load_tokenizer(model_path, cfg.model.trust_remote_code),
+                                  PromptFormat(**(prompt_options or cfg.prompt_options())))
+    except PromptError as err:  # a template file that does not exist
+        raise ConfigError([("data.chat_template", str(err))], data.path) from None
+    format_problems = _format_problems(frame, renderer, _flagged(problems))
+    if format_problems:
+        raise ConfigError(format_problems + _describe(problems, frame, data, None, reasons=reasons), data.path)
     candidates = [i for i in range(len(frame)) if i not in _flagged(problems)]
     limit, source = model_context_length(cfg, model_path)
     context = None
     if limit is not None and candidates:
         texts = frame["prompt"].tolist()
-        counts = prompt_token_counts([texts[i] for i in candidates], model_path, cfg.model.trust_remote_code)
+        counts = prompt_token_counts([texts[i] for i in candidates], renderer)
         # multi-turn: an episode's turns and observations share one budget after the prompt
         env = cfg.rollout.environment
         field, after = (("rollout.environment.max_episode_tokens", env.max_episode_tokens) if env is not None
@@ -311,17 +398,18 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str) -> 
         too_long = [i for i, count in zip(candidates, counts) if count > budget]
         if too_long:
             problems["too_long"] = too_long
-            context = (f"prompt tokens + {field}={after} must be at most "
+            templated = " (chat template applied)" if renderer.uses_template(texts[too_long[0]]) else ""
+            context = (f"prompt tokens{templated} + {field}={after} must be at most "
                        f"{limit}, from {source}; the longest prompt has {int(counts.max())} tokens")
     problems |= _id_problems(frame, data, _flagged(problems))
     if not problems:
         return frame, {}
     source_name = data.path
     if data.invalid_prompts == "error":
-        raise ConfigError(_describe(problems, frame, data, context), source_name)
+        raise ConfigError(_describe(problems, frame, data, context, reasons=reasons), source_name)
     dropped = sorted(_flagged(problems))
     if len(dropped) == len(frame):
-        described = _describe(problems, frame, data, context, suggest_drop=False)
+        described = _describe(problems, frame, data, context, suggest_drop=False, reasons=reasons)
         raise ConfigError(
             [("data.invalid_prompts", f"all {len(frame)} prompts are invalid, so none is left to train on")]
             + described, source_name,

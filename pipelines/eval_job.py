@@ -121,7 +121,9 @@ def eval_config(checkpoint: Checkpoint, data: str | None = None, rewards: list[s
         raise EvalError(f"{checkpoint.path.parent} has no {RUN_FILE}; it is not a streamrl run folder")
     tree = _unflatten(json.loads(run_file.read_text())["config"])
     tree["model"] = {**tree.get("model", {}), "path": str(checkpoint.path)}
-    tree["data"] = {}  # the training prompts are not read
+    # the training prompts are not read; how they were rendered is kept (held-out prompts are rendered alike)
+    tree["data"] = {key: value for key, value in (tree.get("data") or {}).items()
+                    if key in ("chat_template", "system_prompt")}
     tree["output_dir"] = str(checkpoint.path.parent.parent.parent)  # <output_dir>/checkpoints/<run>/<step>
     if data is not None:
         tree["eval"] = {**(tree.get("eval") or {}), "data": {"path": data}}

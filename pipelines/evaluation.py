@@ -30,7 +30,7 @@ from operators.weights import fetch
 from pipelines.config import ConfigError, JobConfig
 
 SCORED_COLUMNS = [
-    "prompt_id", "prompt", "mode", "policy_version", "responses", "response_lengths", "rewards", "reward_errors",
+    "prompt_id", "prompt", "prompt_text", "mode", "policy_version", "responses", "response_lengths", "rewards", "reward_errors",
 ]
 
 
@@ -52,6 +52,8 @@ class EvalSettings:
     success_threshold: float
     # multi-turn episodes (rollout.environment): name, options, max_turns, max_episode_tokens; evaluated as trained
     environment: dict | None = None
+    chat_template: str = "auto"  # how prompts are rendered (operators/prompts.py), as in training
+    system_prompt: str | None = None
 
     @classmethod
     def of(cls, cfg: JobConfig) -> "EvalSettings":
@@ -63,6 +65,7 @@ class EvalSettings:
             reward_functions=tuple((f.name, f.weight) for f in cfg.reward.functions), on_error=cfg.reward.on_error,
             timeout_s=cfg.reward.timeout_s, success_threshold=cfg.reward.success_threshold,
             environment=None if cfg.rollout.environment is None else cfg.rollout.environment.model_dump(),
+            **cfg.prompt_options(held_out=True),
         )
 
     @property
@@ -73,7 +76,7 @@ class EvalSettings:
         return dict(
             model_path=model_path, engine=self.engine, n=max(self.n, 1), max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, engine_options=engine_options,
-            policy_version=policy_version,
+            policy_version=policy_version, chat_template=self.chat_template, system_prompt=self.system_prompt,
             **({} if self.environment is None else dict(
                 in_flight=True, environment=self.environment["name"],
                 environment_options=dict(self.environment["options"]), max_turns=self.environment["max_turns"],
@@ -101,7 +104,7 @@ def load_eval_prompts(cfg: JobConfig, model_path: str, echo: Callable[[str], Non
         "data": data, "rollout": cfg.rollout.model_copy(update={"max_new_tokens": EvalSettings.of(cfg).max_new_tokens}),
     })
     try:
-        kept, dropped = validate_prompts(prompts, as_training, model_path)
+        kept, dropped = validate_prompts(prompts, as_training, model_path, cfg.prompt_options(held_out=True))
     except ConfigError as err:
         raise ConfigError([(_under_eval(path), message) for path, message in err.problems], data.path) from None
     for kind, ids in dropped.items():

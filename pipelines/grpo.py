@@ -39,11 +39,12 @@ from operators.reward import Reward
 from operators.train import Train
 from operators.value import Value
 from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, StepCheckpoints, dataset_digest
-from pipelines.config import BUILTIN_MODEL_PREFIX, ConfigError, JobConfig, ModelConfig
+from pipelines.config import ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
 from pipelines.fused import Chain
 from pipelines.lineage import NullTracker, Tracker, announce_run
+from pipelines.models import resolve_job_models, resolve_model_path
 from pipelines.nodes import NodeWatch, alive_node_ids, confirm_lost_nodes, placement_line, replan
 from pipelines.placement import (
     ReplicaPlacement, drop_remote_args_probes, engine_bundles, map_stage, vllm_executor_backend,
@@ -76,19 +77,6 @@ class JobResult:
     # In-flight engines: one row per weight update of a generator (pull_s and prepare_s overlapped decoding;
     # pause_s is the stall: drain_s + load_s + resume), from every attempt.
     weight_updates: pd.DataFrame = field(default_factory=pd.DataFrame)
-
-
-def resolve_model_path(model: ModelConfig) -> str:
-    """A local model folder; the builtin tiny model is built (once, then cached) here."""
-    if model.path == f"{BUILTIN_MODEL_PREFIX}tiny-tools":
-        from pipelines.tiny_tools import build_tiny_tool_model
-
-        return str(build_tiny_tool_model())
-    if model.path.startswith(BUILTIN_MODEL_PREFIX):
-        from pipelines.tiny import build_tiny_model
-
-        return str(build_tiny_model())
-    return model.path
 
 
 def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]:
@@ -231,6 +219,7 @@ def build_rl_dataset(
         engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None),
         in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
         partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
+        **cfg.prompt_options(),
     )
     if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
         env = cfg.rollout.environment
@@ -267,7 +256,8 @@ def build_rl_dataset(
         ds = map_stage(
             ds, RefLogprob,
             fn_constructor_kwargs=dict(
-                model_path=resolve_model_path(ModelConfig(path=ref.model_path)) if ref.model_path else model_path,
+                model_path=(resolve_model_path(ModelConfig(path=ref.model_path), "reference.model_path")
+                            if ref.model_path and ref.model_path != cfg.model.path else model_path),
                 temperature=cfg.rollout.temperature, micro_batch_tokens=ref.micro_batch_tokens,
                 torch_threads=ref.torch_threads, dtype=ref.dtype, trust_remote_code=cfg.model.trust_remote_code,
             ),
@@ -387,7 +377,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     """Run (or, with `resume` = a run id or 'latest', continue) a job. Raises ConfigError for bad
     input before anything starts, JobFailed when it stops early."""
     output_dir = Path(cfg.output_dir).resolve()
-    model_path = resolve_model_path(cfg.model)
+    model_path = resolve_job_models(cfg, echo)  # downloads or converts what it must, once; ConfigError if it cannot
     prompts, source = load_prompts(cfg.data)
     prompts = checked_prompts(prompts, cfg, model_path, echo)
     if not ray.is_initialized() and cfg.ray.address is None and not os.environ.get("RAY_ADDRESS"):

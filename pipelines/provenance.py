@@ -75,8 +75,20 @@ def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
         "skipped_steps": [int(s) for s in per_step.loc[~per_step["trained"], "train_step"]],
         "steps": per_step.to_dict("records"),
         "ledger": ledger.to_dict("records"),
-        **({"episodes": step_episodes(checkpoint, step)} if step is not None else {}),
+        **({"episodes": step_episodes(checkpoint, step), "prompts": step_prompts(checkpoint, step)}
+           if step is not None else {}),
     }
+
+
+def step_prompts(checkpoint: Checkpoint, step: int) -> dict[str, str]:
+    """Each group of step `step` and its prompt as the model read it (`prompt_text`: the chat template
+    applied, operators/prompts.py), from the step's rollouts Parquet ({} without the file)."""
+    path = rollouts_file(checkpoint, step)
+    if not path.is_file():
+        return {}
+    table = pd.read_parquet(path)
+    column = "prompt_text" if "prompt_text" in table.columns else "prompt"
+    return {str(uid): str(text) for uid, text in zip(table["group_uid"], table[column])}
 
 
 def rollouts_file(checkpoint: Checkpoint, step: int) -> Path:
@@ -99,7 +111,7 @@ def step_episodes(checkpoint: Checkpoint, step: int) -> list[dict]:
         for index, turns in enumerate(row["turns"]):
             episodes.append({
                 "group_uid": row["group_uid"], "prompt_id": row["prompt_id"], "episode": index,
-                "prompt": row["prompt"], "reward": float(row["rewards"][index]),
+                "prompt": row.get("prompt_text", row["prompt"]), "reward": float(row["rewards"][index]),
                 "end": str(row["episode_ends"][index]), "turns": json.loads(turns),
             })
     return episodes
@@ -134,6 +146,10 @@ def format_lineage(info: dict, step: int | None) -> str:
     for row in info["ledger"]:
         lines.append(f"  {row['group_uid']:<16} {str(row['prompt_id']):<16} {row['epoch']!s:>5} "
                      f"{row['policy_version']:>7} {row['staleness']:>5}")
+    if info.get("prompts"):
+        lines.append("  prompts as the model read them (prompt_text: the chat template applied, if any):")
+        for uid, text in info["prompts"].items():
+            lines.append(f"  {uid:<16} {text!r}")
     if info.get("episodes"):
         lines.append(f"  episodes ({len(info['episodes'])}): turn: model text -> tool call -> observation [reward]")
         for episode in info["episodes"]:

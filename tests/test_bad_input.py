@@ -190,7 +190,7 @@ def test_empty_too_long_and_duplicate_rows_listed_then_dropped(tmp_path, tiny_mo
     message = problems["data.path"]
     assert len(message.splitlines()) == 5  # one line per kind
     assert "1 of 8 rows have an empty or whitespace-only prompt: 'b' (row 1)" in message
-    assert "1 of 8 rows have a prompt that is not text: 'e' (row 6)" in message
+    assert "1 of 8 rows have a prompt that is neither text nor a list of chat messages: 'e' (row 6)" in message
     assert "repeat an id" in message and "'a' (row 4)" in message and "make the ids in column 'qid' unique" in message
     assert "have an empty or missing id: row 5" in message and "give every row an id in column 'qid'" in message
     assert "1 of 8 rows are too long for the model" in message and "'d' (row 3)" in message

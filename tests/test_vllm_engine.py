@@ -251,3 +251,33 @@ def test_tensor_parallel_engine_matches_hf_and_loads_buckets_in_place(hf, prompt
         assert max_logprob_diff(hf.model, ids, groups) > 100 * LOGPROB_TOL
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_stop_tokens_of_the_generation_config_end_responses(tiny_model_path, tmp_path, prompts):
+    """Every digit listed as an end of sequence in generation_config.json (as Llama 3 and Qwen list two):
+    vLLM stops each response at its first digit and keeps it; nothing follows a stop token."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from operators.engines.vllm import VLLMEngine
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": digits}))
+    engine = VLLMEngine(str(model), gpu_memory_utilization=0.1, max_model_len=64)
+    try:
+        assert set(digits) <= set(engine.stop_ids)
+        groups = engine.generate(engine.encode(prompts[:4]), SamplingParams(n=4, max_new_tokens=MAX_NEW, seed=3))
+    finally:
+        engine.close()
+    ended = 0
+    for tokens in (t for group in groups for t in group.token_ids):
+        stops = [i for i, token in enumerate(tokens) if token in engine.stop_ids]
+        assert stops in ([], [len(tokens) - 1]) and (stops or len(tokens) == MAX_NEW)
+        ended += bool(stops)
+    assert ended >= 8  # the tiny model answers with digits: most responses stop at their first one

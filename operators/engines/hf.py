@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from operators.devices import local_device
 from operators.engines.base import GroupSample, SamplingParams
+from operators.prompts import cut_at_stop, stop_token_ids
 from operators.weights import as_weight_set
 
 
@@ -27,6 +28,7 @@ class HFEngine:
             model_path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32
         ).to(self.device).eval()
         self.eos_id = self.tokenizer.eos_token_id
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)  # the generation config's EOS ids too
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
@@ -46,7 +48,7 @@ class HFEngine:
             max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.min_new_tokens or None,
             num_return_sequences=params.n,
-            eos_token_id=self.eos_id,
+            eos_token_id=list(self.stop_ids) or None,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
             output_logits=True,
@@ -60,7 +62,7 @@ class HFEngine:
             group = GroupSample()
             for row in range(prompt_index * params.n, (prompt_index + 1) * params.n):
                 tokens = new_tokens[row].tolist()
-                length = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)  # keep EOS
+                length = len(cut_at_stop(tokens, self.stop_ids))  # keep the stop token
                 group.token_ids.append(tokens[:length])
                 group.logprobs.append(logprobs[row, :length].tolist())
                 group.texts.append(self.tokenizer.decode(tokens[:length], skip_special_tokens=True))

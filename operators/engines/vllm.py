@@ -49,6 +49,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from operators.engines.base import GroupSample, SamplingParams
+from operators.prompts import cut_at_stop, stop_token_ids
 from operators.weights import WeightSet, as_weight_set
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,9 @@ class VLLMBase:
         self.model_path = str(model_path)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
         self.eos_id = self.tokenizer.eos_token_id
+        # the tokens that end a response: the generation config's eos_token_id (one or several) and the
+        # tokenizer's EOS, passed to every request as stop_token_ids
+        self.stop_ids = stop_token_ids(self.model_path, self.tokenizer)
         self.weight_file = WeightFile()
         return llm_options(self.model_path, trust_remote_code, gpu_memory_utilization, max_model_len,
                            enforce_eager, dtype, seed, extra)
@@ -263,7 +267,8 @@ class VLLMEngine(VLLMBase):
         copies = params.n if greedy else 1
         prompts, sampling = [], []
         for index, ids in enumerate(prompt_token_ids):
-            sp = request_sampling(params, _request_seed(params.seed, index, 1 if greedy else params.n))
+            sp = request_sampling(params, _request_seed(params.seed, index, 1 if greedy else params.n),
+                                  stop_token_ids=list(self.stop_ids))
             for _ in range(copies):
                 prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
                 sampling.append(sp)
@@ -274,9 +279,7 @@ class VLLMEngine(VLLMBase):
             group = GroupSample()
             for request in outputs[index * copies : (index + 1) * copies]:
                 for completion in sorted(request.outputs, key=lambda c: c.index):
-                    tokens = list(completion.token_ids)
-                    if self.eos_id in tokens:  # vLLM stops at EOS and keeps it; be sure
-                        tokens = tokens[: tokens.index(self.eos_id) + 1]
+                    tokens = cut_at_stop(list(completion.token_ids), self.stop_ids)  # kept; be sure
                     group.token_ids.append(tokens)
                     group.logprobs.append(sampled_logprobs(completion, tokens))
                     group.texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True))

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 
 from operators.engines.base import SamplingParams, TokenDelta
 from operators.engines.vllm import _GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
+from operators.prompts import first_stop
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class AsyncVLLMEngine(VLLMBase):
         from vllm.sampling_params import RequestOutputKind
 
         prompt = {"prompt_token_ids": [int(t) for t in prompt_token_ids], "cache_salt": cache_salt}
-        sampling = request_sampling(params, seed, output_kind=RequestOutputKind.DELTA)
+        sampling = request_sampling(params, seed, output_kind=RequestOutputKind.DELTA, stop_token_ids=list(self.stop_ids))
         if params.temperature < _GREEDY_EPS and params.n > 1:
             # vLLM rejects n > 1 for greedy requests: n requests of one sample, merged here
             streams = [self._one(prompt, sampling, f"{request_id}.{i}", sample=i) for i in range(params.n)]
@@ -97,8 +98,9 @@ class AsyncVLLMEngine(VLLMBase):
                 tokens = list(completion.token_ids)
                 if index in seen_eos:
                     continue
-                if self.eos_id in tokens:  # vLLM stops at EOS and keeps it; be sure
-                    tokens = tokens[: tokens.index(self.eos_id) + 1]
+                stop = first_stop(tokens, self.stop_ids)
+                if stop is not None:  # vLLM stops at a stop token and keeps it; be sure
+                    tokens = tokens[: stop + 1]
                     seen_eos.add(index)
                 finished = completion.finished() or index in seen_eos
                 yield TokenDelta(index, tokens, sampled_logprobs(completion, tokens), finished)
