@@ -83,6 +83,26 @@ def exact_match(completions: list[str], answer: list[str], **kwargs) -> list[flo
     return [float(text.strip() == str(target).strip()) for text, target in zip(completions, answer)]
 
 
+# The next two read the answer in the one declared format, operators/task_answers.ANSWER_FORMAT (a sentence
+# 'The answer is N.'; the last one counts), which data.system_prompt asks for (task_answers.SYSTEM_PROMPT).
+@REWARD_FUNCTIONS.register("reasoning_gym")
+def reasoning_gym(completions: list[str], rg_task: list[str], rg_entry: list[str], **kwargs) -> list[float]:
+    """A reasoning_gym:<task> dataset's own score (`score_answer`, in [0, 1]) of the answer the completion
+    states; 0.0 when it states none. Needs the columns rg_task, rg_entry (and rg_options) that
+    pipelines/reasoning_tasks.py makes."""
+    from operators.task_answers import reasoning_gym_scores
+
+    return reasoning_gym_scores(completions, rg_task, rg_entry, kwargs.get("rg_options"))
+
+
+@REWARD_FUNCTIONS.register("answer_format")
+def answer_format(completions: list[str], **kwargs) -> list[float]:
+    """1.0 when the completion states an answer in the declared format, else 0.0 (right or wrong)."""
+    from operators.task_answers import format_scores
+
+    return format_scores(completions)
+
+
 def resolve_reward_function(name: str) -> RewardFn:
     """A builtin by name, or 'module:function'. Raises with the fix in the message."""
     if ":" not in name:
