@@ -320,6 +320,8 @@ WORKER_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM logs every engine's whole config at INFO (pages per engine on a real model); warnings still show
+    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
 }
 

@@ -88,8 +88,11 @@ def _package_versions() -> dict[str, str]:
 
 
 def _dataset_source(source: str):
-    """A file keeps its path; a builtin dataset is made by code, recorded as a code source."""
-    if source.startswith(BUILTIN_DATASET_PREFIX):
+    """A file keeps its path; a builtin dataset or a reasoning_gym task is made by code, recorded as a code
+    source (its split, seed and options are the run's data.* params; the digest tells two apart)."""
+    from pipelines.reasoning_tasks import REASONING_GYM_PREFIX
+
+    if source.startswith((BUILTIN_DATASET_PREFIX, REASONING_GYM_PREFIX)):
         from mlflow.data.code_dataset_source import CodeDatasetSource
 
         return CodeDatasetSource(tags={"streamrl.dataset": source, "code_version": _code_version()})

@@ -197,13 +197,16 @@ def smollm2_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_smollm2_is_converted_once_to_a_chat_model(smollm2_cache):
+def test_smollm2_is_converted_once_to_a_chat_model():
+    """In the default cache, which the real-model job (tests/test_real_model.py) then uses: converted here
+    on a fresh machine, verified and reused on one that has it (CI converts once)."""
     before = models.CONVERSIONS
     lines: list[str] = []
     folder = Path(resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"), echo=lines.append))
-    assert models.CONVERSIONS == before + 1
-    assert any(line.startswith("streamrl: converting builtin:smollm2-135m-instruct") for line in lines)
-    assert folder.parent == smollm2_cache / "models" and folder == models.smollm2_folder()
+    converted = models.CONVERSIONS - before
+    assert converted in (0, 1)
+    assert any(line.startswith("streamrl: converting builtin:smollm2-135m-instruct") for line in lines) == bool(converted)
+    assert folder == models.smollm2_folder()
     manifest = json.loads((folder / MARKER_FILE).read_text())
     assert models.manifest_problem(folder) is None
     assert set(manifest["files"]) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -231,9 +234,25 @@ def test_smollm2_is_converted_once_to_a_chat_model(smollm2_cache):
     message = problems_of(load_config, None, ["model.path=builtin:smollm2-135m-instruct", "rollout.engine=vllm",
                                               "rollout.vllm.tensor_parallel_size=2"])
     assert "9 attention heads" in message["rollout.vllm.tensor_parallel_size"]
+    # one flipped byte in the weights is caught by the manifest (tests the check; the rebuild it leads to is
+    # test_a_damaged_smollm2_cache_is_detected_and_converted_again, make test-extended)
+    weights = folder / "model.safetensors"
+    offset = weights.stat().st_size // 2
+    with open(weights, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        assert models.manifest_problem(folder) == "model.safetensors does not match its sha256 in the manifest"
+    finally:
+        with open(weights, "r+b") as handle:
+            handle.seek(offset)
+            handle.write(byte)
+    assert models.manifest_problem(folder) is None
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # two conversions (~3 min); the detection alone runs in CI (above)
 def test_a_damaged_smollm2_cache_is_detected_and_converted_again(smollm2_cache):
     folder = models.build_smollm2(echo=lambda line: None)  # converted by the test above, or now
     weights = folder / "model.safetensors"

