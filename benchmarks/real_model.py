@@ -1,8 +1,8 @@
 """The real model on a real task: does it learn, and how far apart are the engine's and the trainer's
 log-probs at the start?
 
-    python benchmarks/real_model.py learn configs/smollm2_leg_counting.yaml
-    python benchmarks/real_model.py mismatch configs/smollm2_leg_counting.yaml
+    python benchmarks/real_model.py learn configs/smollm2_basic_arithmetic.yaml
+    python benchmarks/real_model.py mismatch configs/smollm2_basic_arithmetic.yaml
 
 `learn` runs the config as `streamrl run` does (in this process), then draws the held-out accuracy
 (eval/greedy_success_rate and eval/success_rate, greedy and sampled, per policy version) and the training reward per

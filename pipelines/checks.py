@@ -75,9 +75,11 @@ def dataset_problems(
     if is_reasoning_gym(path):
         options = data.task_options if data is not None else {}
         return [f"{field}: {message}" for field, message in task_problems(path, options, where)], path
-    if data is not None:  # split and task_options set for another kind of dataset
+    if data is not None:  # split and task_options set for another kind of dataset (a saved run's config, which
+        # lists every field with its default, is not refused for the default split)
         misplaced = [f"{where}.{name}: applies only to reasoning_gym:<task> datasets, not to {path!r}; remove it"
-                     for name, given in (("split", "split" in data.model_fields_set), ("task_options", data.task_options))
+                     for name, given in (("split", data.split != type(data).model_fields["split"].default),
+                                         ("task_options", data.task_options))
                      if given]
         if misplaced:
             problems, resolved = dataset_problems(path, prompt_column, id_column, where)

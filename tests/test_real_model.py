@@ -100,6 +100,9 @@ def test_first_update_agrees_with_the_engine_and_the_policy_is_an_mlflow_model(j
     (output,) = run.outputs.model_outputs
     model = client.get_logged_model(output.model_id)
     assert model.status.name == "READY" and output.step == STEPS
-    files = {item.path.rsplit("/", 1)[-1] for item in mlflow.artifacts.list_artifacts(f"{model.model_uri}/components/tokenizer")}
+    # (a models:/m-... URI is read as a registered model's name by list_artifacts; the logged model's own
+    # listing is not)
+    files = {item.path.rsplit("/", 1)[-1]
+             for item in client.list_logged_model_artifacts(model.model_id, "components/tokenizer")}
     assert "tokenizer.json" in files and ("chat_template.jinja" in files or "tokenizer_config.json" in files)
     assert "logged as MLflow model" in stdout
