@@ -186,3 +186,44 @@ def test_the_running_cluster_object_store_is_checked(ray_cluster, tmp_path):
     check_object_store(load_config(None, []), _model_folder(tmp_path, num_hidden_layers=1, vocab_size=1000,
                                                             hidden_size=256, intermediate_size=512,
                                                             num_attention_heads=4))
+
+
+def test_weight_folders_of_engines_that_died_are_removed_and_live_ones_kept(tmp_path):
+    """An engine SIGKILLed (Ray's OOM killer) leaves its weight folder, up to two model copies of RAM in
+    /dev/shm; the next engine on the machine removes it. A live engine's folder, a young one and a folder
+    without an owner lock are kept."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from operators.engines.vllm import OWNER_LOCK, WEIGHT_DIR_PREFIX, WeightFile, remove_orphan_weight_dirs
+
+    weights = {"w": np.ones((256, 256), dtype=np.float32)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, numpy as np\n"
+         "from operators.engines.vllm import WeightFile\n"
+         f"f = WeightFile(base={str(tmp_path)!r})\n"
+         "print(f.write({'w': np.ones((256, 256), dtype=np.float32)}), flush=True)\n"
+         "time.sleep(600)\n"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    dead_file = Path(child.stdout.readline().strip())
+    dead_size = dead_file.stat().st_size + (dead_file.parent / OWNER_LOCK).stat().st_size
+    live = WeightFile(base=str(tmp_path))
+    live_file = Path(live.write(weights))
+    unowned = tmp_path / f"{WEIGHT_DIR_PREFIX}by-another-version"
+    unowned.mkdir()
+    assert remove_orphan_weight_dirs(str(tmp_path), min_age_s=0) == (0, 0)  # the child is alive: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert remove_orphan_weight_dirs(str(tmp_path)) == (0, 0)  # younger than a minute: kept
+    removed, freed = remove_orphan_weight_dirs(str(tmp_path), min_age_s=0)
+    assert (removed, freed) == (1, dead_size)
+    assert not dead_file.parent.exists() and live_file.is_file() and unowned.is_dir()
+    assert (live_file.parent / OWNER_LOCK).is_file()
+    live.release(str(live_file))  # loaded: its memory is given back at once
+    assert not live_file.exists()
+    live.close()
+    assert not live_file.parent.exists()
+    os.rmdir(unowned)

@@ -114,6 +114,7 @@ class AsyncVLLMEngine(VLLMBase):
 
     async def load_prepared(self, prepared: str) -> None:
         await self.engine.collective_rpc("load_weights_file", args=(prepared,))
+        self.weight_file.release(prepared)
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
