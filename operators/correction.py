@@ -11,12 +11,16 @@ things that make a sample off-policy: staleness (the weights moved since the eng
 and mismatch (engine and trainer compute different log-probs for the same weights: bf16 vs
 fp32, kernels). It is detached: corrections reweight the gradient, they never carry one.
 
-Every policy loss contains rho: decoupled_ppo as its explicit weight, ppo_clip and gspo
-inside their ratio pi_theta / pi_behave = (pi_theta / pi_prox) * rho. So the corrections are
-factors on the per-token loss, usable with any loss:
+The token-level policy losses carry rho_t on each token: decoupled_ppo as its explicit weight,
+ppo_clip inside its ratio pi_theta / pi_behave = (pi_theta / pi_prox) * rho_t. So the corrections
+are factors on their per-token loss. gspo's sequence ratio carries the geometric mean of rho over
+the response instead, so TIS (which replaces rho_t) does not apply to it and the config refuses the
+pair; MIS, a 0/1 mask, applies to any loss:
 
-  TIS   factor = min(1, cap / rho): the effective behaviour weight becomes min(rho, cap)
-        ("token": per token; "sequence": rho of the whole response, prod_t rho_t, per response);
+  TIS   the effective behaviour weight w becomes min(w, cap): "token" w = rho_t, per token (factor
+        min(1, cap / rho_t)); "sequence" w = prod_t rho_t, the whole response's ratio, on each of its
+        tokens (factor min(prod rho, cap) / rho_t: the loss already carries rho_t, which the sequence
+        weight replaces, as in verl's sequence-level rollout correction);
   MIS   factor = 1 where rho is inside [low, high], else 0 (the token or the response is
         dropped from the gradient; it still counts in the loss's normaliser, as a zero):
         "token" per token, "sequence" on prod_t rho_t, "geometric" on the geometric mean
@@ -70,15 +74,21 @@ def _sequence_log_ratio(log_rho: torch.Tensor) -> torch.Tensor:
 
 
 @TIS_MODES.register("token")
-def tis_token(log_rho: torch.Tensor, mask: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """Per-token truncation factor min(1, cap / rho_t); log_rho, mask [B, T] -> [B, T]."""
-    return torch.exp(torch.clamp(math.log(cap) - log_rho, max=0.0))  # [B, T]
+def tis_token(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token behaviour weight to cap: log rho_t; log_rho, mask [B, T] -> [B, T]."""
+    return log_rho  # [B, T]
 
 
 @TIS_MODES.register("sequence")
-def tis_sequence(log_rho: torch.Tensor, mask: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """Per-response truncation factor min(1, cap / prod_t rho_t) on every token; [B, T] -> [B, T]."""
-    return torch.exp(torch.clamp(math.log(cap) - _sequence_log_ratio(log_rho), max=0.0))  # [B, T]
+def tis_sequence(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The per-response behaviour weight to cap: log prod_t rho_t on every token of the response; [B, T] -> [B, T]."""
+    return _sequence_log_ratio(log_rho)  # [B, T]
+
+
+def tis_factor(log_rho: torch.Tensor, log_weight: torch.Tensor, cap: float) -> torch.Tensor:
+    """The loss factor that turns the behaviour weight every policy loss carries per token (rho_t) into
+    min(w, cap), w = exp(log_weight) (a TIS mode's weight): min(w, cap) / rho_t; [B, T] -> [B, T]."""
+    return torch.exp(torch.clamp(log_weight, max=math.log(cap)) - log_rho)  # [B, T]
 
 
 def _inside(log_value: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -107,7 +117,8 @@ def mis_geometric(log_rho: torch.Tensor, mask: torch.Tensor, *, low: float, high
 
 
 def correction_factors(log_rho: torch.Tensor, mask: torch.Tensor, settings: CorrectionSettings):
-    """The per-token loss factor of the configured TIS and MIS, and which tokens each changed.
+    """The per-token loss factor of the configured TIS and MIS, and which tokens each changed (TIS: the
+    tokens whose weight the cap lowered).
 
     Returns (factor [B, T], truncated [B, T] bool, masked [B, T] bool); padding is never
     truncated or masked. With both off the factor is 1 everywhere."""
@@ -116,9 +127,9 @@ def correction_factors(log_rho: torch.Tensor, mask: torch.Tensor, settings: Corr
     truncated = torch.zeros_like(valid)  # [B, T]
     masked = torch.zeros_like(valid)  # [B, T]
     if settings.tis != "none":
-        tis = TIS_MODES.get(settings.tis)(log_rho, mask, cap=settings.tis_cap)  # [B, T]
-        truncated = valid & (tis < 1.0)
-        factor = factor * tis
+        log_weight = TIS_MODES.get(settings.tis)(log_rho, mask)  # [B, T]
+        truncated = valid & (log_weight > math.log(settings.tis_cap))
+        factor = factor * tis_factor(log_rho, log_weight, settings.tis_cap)
     if settings.mis != "none":
         keep = MIS_MODES.get(settings.mis)(log_rho, mask, low=settings.mis_low, high=settings.mis_high)  # [B, T]
         masked = valid & (keep == 0)

@@ -17,6 +17,7 @@ from operators.correction import (
     mis_sequence,
     mis_token,
     mismatch_sums,
+    tis_factor,
     tis_sequence,
     tis_token,
 )
@@ -43,14 +44,26 @@ def test_behavior_log_ratio_is_detached_clamped_and_zero_on_padding():
 
 
 def test_tis_token_truncates_each_token_at_the_cap():
-    # factor min(1, cap / rho) with cap 2: [2/4, 1, 1] -> effective weights rho * factor = [2, 0.5, 1]
-    torch.testing.assert_close(tis_token(LOG_RHO, MASK, cap=2.0)[:, :3], _t([[0.5, 1.0, 1.0]]), **TOL)
+    # the weight to cap is rho_t itself (its log); the factor min(rho, cap) / rho with cap 2 is
+    # [2/4, 1, 1] -> effective weights rho * factor = [2, 0.5, 1]
+    log_weight = tis_token(LOG_RHO, MASK)
+    torch.testing.assert_close(log_weight, LOG_RHO, **TOL)
+    torch.testing.assert_close(tis_factor(LOG_RHO, log_weight, 2.0)[:, :3], _t([[0.5, 1.0, 1.0]]), **TOL)
 
 
 def test_tis_sequence_truncates_the_response_ratio():
-    # prod rho = 4 * 0.5 * 1 = 2: cap 1.5 -> factor 1.5 / 2 = 0.75 on every token; cap 2.5 -> 1
-    torch.testing.assert_close(tis_sequence(LOG_RHO, MASK, cap=1.5)[:, :3], _t([[0.75, 0.75, 0.75]]), **TOL)
-    torch.testing.assert_close(tis_sequence(LOG_RHO, MASK, cap=2.5)[:, :3], _t([[1.0, 1.0, 1.0]]), **TOL)
+    # the weight to cap is prod rho = 4 * 0.5 * 1 = 2 on every token (its log). The loss carries rho_t,
+    # so the factor is min(2, cap) / rho_t: cap 1.5 -> [0.375, 3, 1.5] (effective weight 1.5 on every
+    # token); cap 2.5 -> 2 / rho_t = [0.5, 4, 2] (effective weight 2, the untruncated product)
+    log_weight = tis_sequence(LOG_RHO, MASK)
+    torch.testing.assert_close(log_weight[:, :3], _t([[math.log(2.0)] * 3]), **TOL)
+    torch.testing.assert_close(tis_factor(LOG_RHO, log_weight, 1.5)[:, :3], _t([[0.375, 3.0, 1.5]]), **TOL)
+    torch.testing.assert_close(tis_factor(LOG_RHO, log_weight, 2.5)[:, :3], _t([[0.5, 4.0, 2.0]]), **TOL)
+    factor, truncated, _ = correction_factors(LOG_RHO, MASK, CorrectionSettings(tis="sequence", tis_cap=1.5))
+    torch.testing.assert_close(factor[:, :3], _t([[0.375, 3.0, 1.5]]), **TOL)
+    assert truncated.tolist() == [[True, True, True, False]]  # the whole response, never the padding
+    _, truncated, _ = correction_factors(LOG_RHO, MASK, CorrectionSettings(tis="sequence", tis_cap=2.5))
+    assert not truncated.any()
 
 
 def test_mis_token_sequence_and_geometric():
