@@ -193,21 +193,66 @@ def gae(token_rewards: np.ndarray, values: np.ndarray, *, gamma: float = 1.0,
     return advantages, advantages + values  # [T], [T]
 
 
-def whiten_over_step(advantages: List[List], *, eps: float = 1e-6) -> List[List]:
-    """(x - mean) / (std + eps) over every value of one train step (population std, ddof=0).
+def whiten_over_step(advantages: List[List], token_masks: List[List] | None = None, *,
+                     eps: float = 1e-6) -> List[List]:
+    """(x - mean) / (std + eps) over one train step (population std, ddof=0), over its trained tokens.
 
-    `advantages` holds one list per group with one entry per response: a float, or a list of
-    floats (one per response token); every float counts once. Returns the same nesting, floats.
+    `advantages` holds one list per group with one entry per response: a float (the response's
+    advantage, on each of its tokens) or a list of floats (one per response token, e.g. GAE).
+    `token_masks` (same nesting, one 0/1 list per response, one entry per response token): which
+    tokens the loss trains (a multi-turn episode's loss mask; all 1s otherwise). Mean and std are
+    then over those tokens: a float counts once per trained token of its response, a per-token
+    list only at its 1s (observation tokens carry no advantage), which is verl's `masked_whiten`
+    and OpenRLHF's whitening over the action mask. Per-token lists come back with 0.0 where the
+    mask is 0. Without `token_masks` every float and every list entry counts once (response
+    weighting for floats). Returns the same nesting, floats.
     """
-    values = np.concatenate([np.atleast_1d(np.asarray(entry, dtype=np.float64))
-                             for group in advantages for entry in group])  # [N]
-    mean, std = values.mean(), values.std()
+    values, weights = [], []
+    for g, group in enumerate(advantages):
+        for r, entry in enumerate(group):
+            entry = np.atleast_1d(np.asarray(entry, dtype=np.float64))  # [1] or [T]
+            if token_masks is None:
+                values.append(entry)
+                weights.append(np.ones(len(entry)))
+                continue
+            mask = np.asarray(token_masks[g][r], dtype=np.float64)  # [T]
+            if len(entry) == 1 and len(mask) != 1:  # a response's float: once per trained token
+                values.append(entry)
+                weights.append(np.array([mask.sum()]))
+            elif len(entry) != len(mask):
+                raise ValueError(f"group {g} response {r}: {len(entry)} advantages for {len(mask)} token mask entries")
+            else:
+                values.append(entry)
+                weights.append(mask)
+    values, weights = np.concatenate(values), np.concatenate(weights)  # [N] each
+    total = weights.sum()
+    if total <= 0:  # nothing is trained this step: nothing to whiten
+        return [[float(e) if np.ndim(e) == 0 else [float(v) for v in e] for e in group] for group in advantages]
+    mean = float((values * weights).sum() / total)
+    std = float(np.sqrt((weights * (values - mean) ** 2).sum() / total))
 
-    def whiten(entry):
+    def whiten(entry, mask):
         scaled = (np.asarray(entry, dtype=np.float64) - mean) / (std + eps)
-        return scaled.tolist() if scaled.ndim else float(scaled)
+        if not scaled.ndim:
+            return float(scaled)
+        if mask is not None and len(mask) == len(scaled):
+            scaled = np.where(np.asarray(mask, dtype=bool), scaled, 0.0)
+        return scaled.tolist()
 
-    return [[whiten(entry) for entry in group] for group in advantages]
+    return [[whiten(entry, None if token_masks is None else token_masks[g][r]) for r, entry in enumerate(group)]
+            for g, group in enumerate(advantages)]
+
+
+def policy_token_budget(max_new_tokens: int, max_turns: int | None = None,
+                        max_episode_tokens: int | None = None) -> int:
+    """The most tokens the policy can write in one response: `max_new_tokens`, or in a multi-turn episode
+    min(max_turns x max_new_tokens, max_episode_tokens) (the episode's budget counts the observations
+    too, so this bounds the policy's share). The length budget of DAPO's overlong shaping and Dr. GRPO's
+    constant normaliser."""
+    if max_turns is None:
+        return int(max_new_tokens)
+    budget = int(max_turns) * int(max_new_tokens)
+    return budget if max_episode_tokens is None else min(budget, int(max_episode_tokens))
 
 
 def overlong_shaping(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:
@@ -217,13 +262,16 @@ def overlong_shaping(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, p
         shaping = 0                                          if |y| <= L_max - L_cache
                 = -penalty * (|y| - (L_max - L_cache)) / L_cache   if |y| >  L_max - L_cache
 
-    so it falls linearly from 0 to -penalty at |y| = L_max (the engine never generates more).
-    buffer 0 turns it off (zeros).
+    so it falls linearly from 0 to -penalty at |y| = L_max, and stays there beyond (a floor: a length
+    counted past the budget is punished no more than one at it). buffer 0 turns it off (zeros).
+    |y| counts the policy's tokens and L_max is the policy's budget: in a multi-turn episode the
+    tokens of its turns (not the observations) against the episode's budget for them
+    (`policy_token_budget`), not one turn's max_new_tokens.
     """
     lengths = np.asarray(lengths, dtype=np.float64)  # [N]
     if buffer <= 0:
         return np.zeros_like(lengths)
-    over = np.clip(lengths - (max_new_tokens - buffer), 0.0, None)  # [N]
+    over = np.clip(lengths - (max_new_tokens - buffer), 0.0, buffer)  # [N]
     return -penalty * over / buffer  # [N]
 
 
@@ -256,10 +304,12 @@ class Advantage:
     in this call / number of rows, so the per-row value sums back to the call's cost).
 
     With `overlong_buffer` > 0 the DAPO overlong shaping is added to the rewards
-    before the estimator sees them; with `kl_reward_coef` > 0, kl_reward_coef x
-    `sequence_kl_penalty` is subtracted (rows need "behavior_logprobs" and "ref_logprobs",
-    from the RefLogprob stage; the row's mean penalty goes to "kl_reward_penalty"). The
-    "rewards" column keeps the task reward.
+    before the estimator sees them (lengths: the policy's tokens of a multi-turn episode); with
+    `kl_reward_coef` > 0 the KL to the reference is subtracted (rows need "behavior_logprobs" and
+    "ref_logprobs", from the RefLogprob stage): from an outcome estimator's reward as kl_reward_coef x
+    `sequence_kl_penalty`, from a token estimator's token rewards per token (kl_reward_coef x k1_t at
+    each policy token, as verl and OpenRLHF do); the row's mean summed penalty goes to
+    "kl_reward_penalty". The "rewards" column keeps the task reward.
 
     Rows with different n cannot share a [G, n] array, so rows are grouped by
     n and each subset goes through the estimator separately (estimators are
@@ -288,8 +338,11 @@ class Advantage:
         out = batch.copy()
         rewards = [np.asarray(r, dtype=np.float64) for r in batch["rewards"]]
         shaped = [0] * len(batch)
-        if self.shaping["buffer"] > 0:
-            shaping = [overlong_shaping(lengths, **self.shaping) for lengths in batch["response_lengths"]]
+        token_kl = None  # a token estimator's per-token KL penalty, one [T] array per response
+        if self.shaping["buffer"] > 0:  # the policy's tokens: a multi-turn episode's observations do not count
+            lengths = (batch["response_lengths"] if "loss_masks" not in batch.columns else
+                       [[int(np.sum(mask)) for mask in masks] for masks in batch["loss_masks"]])
+            shaping = [overlong_shaping(row_lengths, **self.shaping) for row_lengths in lengths]
             rewards = [r + s for r, s in zip(rewards, shaping)]
             shaped = [int((s != 0).sum()) for s in shaping]
         if self.kl_reward_coef > 0:
@@ -299,12 +352,17 @@ class Advantage:
             masks = batch["loss_masks"] if "loss_masks" in batch.columns else [None] * len(batch)
             penalties = [sequence_kl_penalty(b, r, m)
                          for b, r, m in zip(batch["behavior_logprobs"], batch["ref_logprobs"], masks)]
-            rewards = [r - self.kl_reward_coef * p for r, p in zip(rewards, penalties)]
+            if self.kind == "token":  # per token (verl, OpenRLHF): r_t = -coef x k1_t, the outcome on the last
+                token_kl = [[self.kl_reward_coef * (np.asarray(b, dtype=np.float64) - np.asarray(r, dtype=np.float64))
+                             for b, r in zip(row_b, row_r)]
+                            for row_b, row_r in zip(batch["behavior_logprobs"], batch["ref_logprobs"])]
+            else:  # an outcome estimator sees one reward per response: the summed penalty
+                rewards = [r - self.kl_reward_coef * p for r, p in zip(rewards, penalties)]
             out["kl_reward_penalty"] = pd.Series([float(p.mean()) for p in penalties], index=out.index, dtype=np.float64)
         if self.kind == "token":
             episodes = (zip(batch["loss_masks"], batch["turns"]) if "loss_masks" in batch.columns
                         else [(None, None)] * len(batch))
-            advantages, returns = self._token_advantages(rewards, batch["values"], episodes)
+            advantages, returns = self._token_advantages(rewards, batch["values"], episodes, token_kl)
             out["returns"] = pd.Series(returns, index=out.index, dtype=object)
         else:
             advantages = self._row_advantages(rewards) if len(batch) else []
@@ -315,22 +373,26 @@ class Advantage:
         out["time_advantage"] = pd.Series(per_row, index=out.index, dtype=np.float64)
         return out
 
-    def _token_advantages(self, rewards_per_row: List, values_per_row, episodes) -> tuple[List, List]:
+    def _token_advantages(self, rewards_per_row: List, values_per_row, episodes, token_kl=None) -> tuple[List, List]:
         """Per row, per response: (advantages, returns), lists of floats per response token. Multi-turn
         rows (`episodes`: their loss_masks and turns) are estimated over the policy's tokens, with each
-        turn's environment reward on that turn's last token (episode_token_rewards)."""
+        turn's environment reward on that turn's last token (episode_token_rewards). `token_kl` (per row,
+        per response, [T]): a KL penalty subtracted from the token rewards (at the policy's tokens)."""
         import json
 
         advantages, returns = [], []
-        for rewards, values, (masks, turns) in zip(rewards_per_row, values_per_row, episodes):
+        for row, (rewards, values, (masks, turns)) in enumerate(zip(rewards_per_row, values_per_row, episodes)):
+            kl = token_kl[row] if token_kl is not None else [0.0] * len(rewards)
             if masks is None:
-                pairs = [self._fn(outcome_token_rewards(reward, len(response_values)), response_values, **self.discount)
-                         for reward, response_values in zip(rewards, values)]
+                pairs = [self._fn(outcome_token_rewards(reward, len(response_values)) - penalty, response_values,
+                                  **self.discount)
+                         for reward, response_values, penalty in zip(rewards, values, kl)]
             else:
                 pairs = [masked_token_estimate(
-                    self._fn, episode_token_rewards(reward, mask, [t.get("reward") for t in json.loads(turn)]),
+                    self._fn, episode_token_rewards(reward, mask, [t.get("reward") for t in json.loads(turn)])
+                    - (np.asarray(penalty)[np.asarray(mask, dtype=bool)] if np.ndim(penalty) else penalty),
                     response_values, mask, **self.discount)
-                    for reward, response_values, mask, turn in zip(rewards, values, masks, turns)]
+                    for reward, response_values, mask, turn, penalty in zip(rewards, values, masks, turns, kl)]
             advantages.append([adv.tolist() for adv, _ in pairs])
             returns.append([ret.tolist() for _, ret in pairs])
         return advantages, returns

@@ -234,17 +234,19 @@ def clipped_value_loss(
 ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """PPO's clipped value loss (per token); all inputs [B, T] -> ([B, T], stats).
 
-        L_t = max((V_t - R_t)^2, (clip(V_t, V_old_t - eps, V_old_t + eps) - R_t)^2)
+        L_t = 1/2 max((V_t - R_t)^2, (clip(V_t, V_old_t - eps, V_old_t + eps) - R_t)^2)
 
-    V_old are the values the Value stage predicted when the samples were made (the critic the
-    advantages were computed with), so one step cannot move a value further than eps from
-    them in the direction that lowers the loss. stats: `value_clip_fraction`, the share of
-    valid tokens whose clipped term is the larger (their gradient is zero).
+    The 1/2 is verl's and OpenRLHF's (its gradient is V_t - R_t). V_old are the values of the critic
+    at the start of the step's updates (ValueWorker: the Value stage's values when the critic that made
+    them is still current, else its own forward before the first update), so one step cannot move a
+    value further than eps from the current critic's in the direction that lowers the loss. stats:
+    `value_clip_fraction`, the share of valid tokens whose clipped term is the larger (their gradient is
+    zero).
     """
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)  # [B, T]
     unclipped_loss = (values - returns) ** 2  # [B, T]
     clipped_loss = (clipped - returns) ** 2  # [B, T]
-    per_token = torch.maximum(unclipped_loss, clipped_loss) * mask  # [B, T]
+    per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss) * mask  # [B, T]
     clip_active = (clipped_loss > unclipped_loss).to(values.dtype)  # [B, T]
     return per_token, {"value_clip_fraction": float(masked_mean(clip_active.detach(), mask))}
 

@@ -69,7 +69,7 @@ class Train:
         stop=None,
         prior_ledger: str | None = None,
         max_nan_skips: int | None = None,
-        whiten_advantages: bool = False,
+        whiten_advantages: str | bool | None = None,
         generated_per_step: int | None = None,
         dynamic_sampling: bool = False,
         critics: Sequence = (),
@@ -82,7 +82,9 @@ class Train:
         True means a graceful stop: that step is checkpointed and its row says `stopped`
         (pipelines.preemption.StopRequest). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
         the checkpoint the job resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
-        (operators.advantage.whiten_over_step; REINFORCE++) before training on them. `generated_per_step`:
+        (operators.advantage.whiten_over_step; REINFORCE++, GAE) before training on them: "token" (True) over
+        every trained token (a response's advantage counts once per token, observation tokens not at all),
+        "response" once per response; None: not. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
         `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped.
         `critics`: the critic group's ranks (operators.value_worker.ValueWorker), trained each step on the
@@ -91,7 +93,9 @@ class Train:
         self.mini_batches = mini_batches
         self.generated_per_step = generated_per_step or groups_per_step
         self.dynamic_sampling = dynamic_sampling
-        self.whiten_advantages = whiten_advantages
+        if whiten_advantages not in (None, False, True, "token", "response"):
+            raise ValueError(f"whiten_advantages: {whiten_advantages!r}; use 'token', 'response' or None")
+        self.whiten_advantages = "token" if whiten_advantages is True else (whiten_advantages or None)
         self.workers = list(workers)
         self.critics = list(critics)
         self.groups_per_step = groups_per_step
@@ -171,17 +175,18 @@ class Train:
         if self.whiten_advantages:  # over every group of the step, so the ranks' shards share one mean and std
             from operators.advantage import whiten_over_step
 
-            whitened = whiten_over_step([row["advantages"] for row in rows])
+            masks = [_token_masks(row) for row in rows] if self.whiten_advantages == "token" else None
+            whitened = whiten_over_step([row["advantages"] for row in rows], masks)
             rows = [{**row, "advantages": advantages} for row, advantages in zip(rows, whitened)]
         samples = _explode(rows)
-        critic_samples = {key: samples.pop(key) for key in ("returns", "old_values") if key in samples}
+        critic_samples = split_critic_samples(samples)
         shards = _shard(samples, len(self.workers), equal_counts=self.mini_batches > 1)
-        global_tokens = sum(trained_tokens(samples, i) for i in range(len(samples["response_token_ids"])))
+        global_tokens, global_sequences = step_normalisers(samples)
         calls = [
-            worker.train_step.remote(shard, global_tokens, len(samples["advantages"]))
+            worker.train_step.remote(shard, global_tokens, global_sequences)
             for worker, shard in zip(self.workers, shards)
         ]
-        critic_calls = self._critic_calls(samples, critic_samples, global_tokens)  # beside the policy's
+        critic_calls = self._critic_calls(samples, critic_samples, global_tokens, global_sequences)
         results = ray.get(calls)
         critic_results = ray.get(critic_calls)
         end = time.perf_counter()
@@ -237,16 +242,13 @@ class Train:
             "checkpoint_path": str(checkpoint) if checkpoint else None,
         }])
 
-    def _critic_calls(self, samples: dict, critic_samples: dict, global_tokens: int) -> list:
+    def _critic_calls(self, samples: dict, critic_samples: dict, global_tokens: int, global_sequences: int) -> list:
         if not self.critics:
             return []
         if "returns" not in critic_samples:
             raise ValueError("a critic needs rows with `returns` and `values`: put the Value stage before a token "
                              "estimator (algorithm.advantage: gae)")
-        critic_samples = {"prompt_token_ids": samples["prompt_token_ids"],
-                          "response_token_ids": samples["response_token_ids"], **critic_samples}
-        count = len(critic_samples["response_token_ids"])
-        return [critic.train_step.remote(shard, global_tokens, count)
+        return [critic.train_step.remote(shard, global_tokens, global_sequences)
                 for critic, shard in zip(self.critics, _shard(critic_samples, len(self.critics),
                                                               equal_counts=self.mini_batches > 1))]
 
@@ -313,7 +315,36 @@ def _explode(rows: list[dict]) -> dict[str, list]:
             if with_returns:
                 samples["returns"].append([float(v) for v in row["returns"][index]])
                 samples["old_values"].append([float(v) for v in row["values"][index]])
+                samples["critic_version"].append(int(row.get("critic_version", -1)))
     return dict(samples)
+
+
+def split_critic_samples(samples: dict) -> dict:
+    """Take the critic's columns out of the step's samples (`_explode`'s) and return the critic's samples:
+    the sequences, the return targets, the Value stage's values and critic versions, and the policy's loss
+    masks: the critic is trained on the policy's tokens only (an observation is not a state the policy acts
+    from), under the policy's normaliser. {} when the samples carry no returns."""
+    critic = {key: samples.pop(key) for key in ("returns", "old_values", "critic_version") if key in samples}
+    if not critic:
+        return {}
+    return {"prompt_token_ids": samples["prompt_token_ids"], "response_token_ids": samples["response_token_ids"],
+            **critic, **({"loss_masks": samples["loss_masks"]} if "loss_masks" in samples else {})}
+
+
+def step_normalisers(samples: dict) -> tuple[int, int]:
+    """The step's loss normalisers over all ranks: its trained tokens, and its responses with at least one
+    (an episode whose every token is an observation trains nothing and is not counted, as the ranks' own
+    count for several mini-batches leaves it out: TrainWorker._global_counts)."""
+    counts = [trained_tokens(samples, i) for i in range(len(samples["response_token_ids"]))]
+    return sum(counts), sum(1 for count in counts if count)
+
+
+def _token_masks(row: dict) -> list[list[int]]:
+    """Per response of a group, 1 at each token the loss trains: its loss mask (multi-turn), else all 1s."""
+    masks = row.get("loss_masks")
+    if masks is not None:
+        return [[int(m) for m in mask] for mask in masks]
+    return [[1] * len(response) for response in row["response_token_ids"]]
 
 
 def _response_staleness(row: dict, index: int) -> int:
@@ -447,7 +478,7 @@ def _episode_metrics(table: pd.DataFrame) -> dict:
 
 # Per-rank figures merged by hand in _rank_metrics; every other float is a token-weighted loss statistic.
 _RANK_SPECIAL = {"num_tokens", "policy_loss", "grad_norm", "grad_norm_last", "train_seconds", "publish_seconds",
-                 "nonfinite_skipped", "mismatch", "micro_batches", "optimizer_steps"}
+                 "nonfinite_skipped", "mismatch", "micro_batches", "optimizer_steps", "empty_updates"}
 
 
 def _rank_metrics(results: list[dict]) -> dict:
@@ -472,6 +503,7 @@ def _rank_metrics(results: list[dict]) -> dict:
     merged["grad_norm"] = float(results[0]["grad_norm"])
     merged["grad_norm_last"] = float(results[0]["grad_norm_last"])
     merged["optimizer_steps"] = int(results[0]["optimizer_steps"])
+    merged["empty_updates"] = int(results[0].get("empty_updates", 0))  # the ranks skip together
     merged["time_train"] = float(max(r["train_seconds"] for r in results))
     merged["time_publish"] = float(results[0]["publish_seconds"])
     merged["nonfinite_skipped"] = int(max(r.get("nonfinite_skipped", 0) for r in results))
@@ -496,6 +528,8 @@ def _critic_metrics(results: list[dict], rows: list[dict]) -> dict:
         "critic_version": int(min(int(row["critic_version"]) for row in rows)),  # the oldest critic of the step
         "critic_grad_norm": float(results[0]["grad_norm"]),
         "critic_nonfinite_skipped": int(max(r["nonfinite_skipped"] for r in results)),
+        # samples whose V_old the critic recomputed: the Value stage's critic was older than the trained one
+        "critic_stale_values": int(sum(r.get("stale_values_refreshed", 0) for r in results)),
         "time_value": float(sum(row.get("time_value", 0.0) for row in rows)),
         "time_critic": float(max(r["train_seconds"] for r in results)),
         "time_critic_publish": float(results[0]["publish_seconds"]),

@@ -459,7 +459,7 @@ class TrainWorker:
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
             return self._loss(part, tokens, sequences, epoch == 0, stats, mismatch, valid)
 
-        losses, grad_norms, skipped, passes = self._updates(
+        losses, grad_norms, skipped, passes, empty = self._updates(
             samples, count, global_tokens, global_sequences, loss_of,
             lambda value: f"the loss of policy version {self.version + 1} is {value} on rank {self.rank} "
                           "(train.nan_policy: stop); no update was applied or published. Set "
@@ -469,8 +469,10 @@ class TrainWorker:
         publish_seconds = self._publish() if self.joins_publish else 0.0
         return {
             "nonfinite_skipped": int(skipped),
-            # mean over the optimizer steps (non-finite when one was); rank losses average to the global loss
-            "policy_loss": float(np.mean(losses)),
+            # mean over the optimizer steps (non-finite when one was; NaN when none ran); rank losses average to
+            # the global loss
+            "policy_loss": float(np.mean(losses)) if losses else float("nan"),
+            "empty_updates": empty,  # optimizer steps skipped: their mini-batch had no trained token on any rank
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),  # the first update's, before clipping
             "grad_norm_last": grad_norms[-1] if grad_norms else float("nan"),
             "optimizer_steps": len(grad_norms),
@@ -483,7 +485,7 @@ class TrainWorker:
         }
 
     def _updates(self, samples: dict, count: int, global_tokens: float, global_sequences: float, loss_of,
-                 stop_message) -> tuple[list[float], list[float], bool, int]:
+                 stop_message) -> tuple[list[float], list[float], bool, int, int]:
         """The step's optimizer steps: `ppo_epochs` passes over `mini_batches` mini-batches. For each,
         `loss_of(part, tokens, sequences, epoch, valid_sequences)` yields (loss, last) per micro-batch (the same number on
         every rank); each gets its own backward, the gradients accumulate, and the last backward is the
@@ -492,14 +494,21 @@ class TrainWorker:
         Before each backward the ranks agree that the loss is finite. One that is not, on any rank, ends
         the step: the gradients accumulated for this optimizer step are dropped (the optimizer steps
         already taken stay applied), or it raises with `stop_message(value)` under nan_policy: stop.
-        Returns the losses, the gradient norms, whether the step was cut short and the number of passes."""
+
+        A mini-batch with no trained token on any rank (every episode's reset failed, say) has nothing to
+        learn from and no normaliser: its optimizer step is skipped on every rank (they share the global
+        counts) and counted. Returns the losses, the gradient norms, whether the step was cut short, the
+        number of passes and the number of optimizer steps skipped as empty."""
         settings = self.settings
-        losses, grad_norms, passes = [], [], 0
+        losses, grad_norms, passes, empty = [], [], 0, 0
         for epoch in range(settings.ppo_epochs):
             parts = self.mini_batches(count, epoch)
             summed = self._global_counts(parts, samples)  # (tokens, responses with tokens) over the ranks
             counts = [(global_tokens, global_sequences)] if settings.mini_batches == 1 else summed
             for part_indices, (tokens, sequences), (_, valid) in zip(parts, counts, summed):
+                if tokens <= 0:
+                    empty += 1
+                    continue
                 total, accumulated = 0.0, 0
                 for loss, last in loss_of(self._subset(samples, part_indices), tokens, sequences, epoch, valid):
                     passes += 1
@@ -509,7 +518,7 @@ class TrainWorker:
                             self._discard_gradients(loss)
                         if settings.nan_policy == "stop":
                             raise NonFiniteError(stop_message(losses[-1]))
-                        return losses, grad_norms, True, passes
+                        return losses, grad_norms, True, passes, empty
                     accumulated += 1
                     self.engine.set_gradient_accumulation_boundary(last)
                     self.engine.backward(loss)
@@ -518,7 +527,7 @@ class TrainWorker:
                     self._release_host_memory()
                 losses.append(total)
                 grad_norms.append(self._optimizer_step())
-        return losses, grad_norms, False, passes
+        return losses, grad_norms, False, passes, empty
 
     def _release_host_memory(self) -> None:
         """On a CPU rank, hand the memory freed by a micro-batch's backward back to the OS. glibc keeps

@@ -5,16 +5,23 @@ num_labels=1, loaded from the critic folder, which initialises the head). It is 
 `TrainWorker` with another model and loss: the DeepSpeed set-up, mini/micro-batching,
 publishing, checkpoints and RNG states are the policy rank's, so both read the same.
 
-Each train step fits the values of the step's response tokens to their GAE return targets
-with PPO's clipped value loss around the values the Value stage predicted
-(operators.losses.clipped_value_loss), token-mean over the step's response tokens on all
-ranks, in `ppo_epochs x mini_batches` optimizer steps drawn like the policy's. Rank 0 then
-publishes the critic to its own store as version v + 1, matching the policy version.
+Each train step fits the values of the policy's tokens to their GAE return targets with PPO's
+clipped value loss (operators.losses.clipped_value_loss), token-mean over the step's trained
+tokens on all ranks (the policy's normaliser; a multi-turn episode's observation tokens carry
+no loss, as in the policy's), in `ppo_epochs x mini_batches` optimizer steps drawn like the
+policy's. Rank 0 then publishes the critic to its own store as version v + 1, matching the
+policy version.
+
+The clip is centred on the current critic's values, as verl's and AReaL's V_old: the Value stage's
+values where the critic version that made them is still this one, else (generation ran ahead of
+training, max_staleness > 0) this critic's own values before the step's first update.
 """
 
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 from operators.batching import TokenBatch, trained_tokens
 from operators.train_worker import TrainerSettings, TrainWorker, _StatSums
@@ -70,6 +77,24 @@ class ValueWorker(TrainWorker):
                 stats.add(loss_stats, tokens)
             yield (loss if indices else loss * 0.0), last
 
+    def _current_old_values(self, samples: dict) -> tuple[dict, int]:
+        """The samples with `old_values` from this critic where the Value stage's came from an older critic
+        version (`critic_version` per sample), and how many it replaced. A collective under several ranks:
+        every rank runs the forwards when any rank has a stale sample (their passes must pair up)."""
+        versions = samples.get("critic_version")
+        stale = {i for i, version in enumerate(versions or []) if version is not None and 0 <= version != self.version}
+        anyone = self._max_over_ranks(int(bool(stale))) if self.world_size > 1 else int(bool(stale))
+        if not anyone:
+            return samples, 0
+        old_values = list(samples["old_values"])
+        with self.torch.no_grad():
+            for indices, batch, _ in self._micro_batch_tensors(samples):
+                values = self.values(batch)  # [B, L-1]
+                for row, index in enumerate(indices):
+                    if index in stale:
+                        old_values[index] = batch.at_response(values, row).cpu().numpy().astype(np.float64).tolist()
+        return {**samples, "old_values": old_values}, len(stale)
+
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
         """One critic step on this rank's shard (`prompt_token_ids`, `response_token_ids`, and per response
         token `returns` and `old_values`); rank 0 then publishes version + 1."""
@@ -79,12 +104,13 @@ class ValueWorker(TrainWorker):
         if not count:
             raise ValueError("train_step got no samples")
         stats = _StatSums()
+        samples, refreshed = self._current_old_values(samples)
 
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
             return self._loss(part, tokens, stats)
 
         # the policy's mini-batch draw (same seed and version), the policy's update schedule
-        _, grad_norms, skipped, _ = self._updates(
+        _, grad_norms, skipped, _, empty = self._updates(
             samples, count, global_tokens, global_sequences, loss_of,
             lambda value: f"the value loss of critic version {self.version + 1} is {value} on rank {self.rank} "
                           "(train.nan_policy: stop); lower critic.lr or check the rewards",
@@ -94,6 +120,8 @@ class ValueWorker(TrainWorker):
         return {
             "nonfinite_skipped": int(skipped),
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),
+            "empty_updates": empty,
+            "stale_values_refreshed": refreshed,  # samples whose V_old this critic recomputed
             "num_tokens": sum(trained_tokens(samples, i) for i in range(count)),
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,

@@ -93,16 +93,17 @@ def test_clipped_value_loss_hand_computed():
     # clipped V: [0.2, -0.1, 0.8, 0.3]
     # unclipped (V - R)^2:  [0.25, 1.21, 0.49, 0.49];  clipped: [0.64, 1.21, 0.64, 0.49]
     # max: [0.64, 1.21, 0.64, 0.49 (masked -> 0)];  clipped term larger on tokens 0 and 2 of 3 valid
+    # loss = 1/2 max (verl, OpenRLHF): [0.32, 0.605, 0.32, 0]
     values = torch.tensor([[0.5, -0.1, 0.7, 0.3]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[0.0, 0.0, 1.0, 0.5]], dtype=torch.float64)
     returns = torch.tensor([[1.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     loss, stats = clipped_value_loss(values, old, returns, mask, value_clip=0.2)
-    torch.testing.assert_close(loss, torch.tensor([[0.64, 1.21, 0.64, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(loss, torch.tensor([[0.32, 0.605, 0.32, 0.0]], dtype=torch.float64))
     assert stats["value_clip_fraction"] == pytest.approx(2 / 3, abs=1e-9)
     loss.sum().backward()
-    # clipped tokens have no gradient; token 1: d(V - R)^2 / dV = 2 * (-0.1 - 1) = -2.2
-    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -2.2, 0.0, 0.0]], dtype=torch.float64))
+    # clipped tokens have no gradient; token 1: d (V - R)^2 / 2 / dV = V - R = -0.1 - 1 = -1.1
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -1.1, 0.0, 0.0]], dtype=torch.float64))
     assert VALUE_LOSSES.get("clipped") is clipped_value_loss
 
 
