@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    for line in cfg.algorithm.chosen():  # fields the algorithm set because the config left them unset
+        print(f"streamrl: {line}", file=sys.stderr if args.command == "validate" else sys.stdout)
     if args.command == "validate":
         print(cfg.model_dump_json(indent=2))
         return 0

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator, model_validator)
 
 from pipelines import models as _models  # standard library only at import: validation stays free of torch
 
@@ -474,8 +475,9 @@ class AlgorithmConfig(_Section):
         1.0, description="gae: lambda in [0, 1]; 1 is the return minus the value baseline, 0 the one-step TD error."
     )
     gae_whiten: bool = Field(
-        True, description="gae: whiten the advantages over the whole train step (every token of every group, "
-        "every rank) before training on them; the return targets are not whitened."
+        True, description="gae: whiten the advantages over the whole train step (every trained token of every group, "
+        "every rank: a multi-turn episode's observation tokens do not count) before training on them; the return "
+        "targets are not whitened."
     )
     policy_loss: str = Field(
         "ppo_clip", description="Policy loss: ppo_clip (trust region centred on the behaviour policy, 'naive' "
@@ -516,9 +518,10 @@ class AlgorithmConfig(_Section):
     )
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus subtracted from the loss (>= 0).")
     overlong_buffer: int = Field(
-        0, description="DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - this get a "
-        "penalty growing linearly to -overlong_penalty at max_new_tokens, added to the reward before the "
-        "advantage (0: off; below rollout.max_new_tokens)."
+        0, description="DAPO soft overlong punishment: responses longer than the budget - this get a penalty "
+        "growing linearly to -overlong_penalty at the budget (its floor), added to the reward before the "
+        "advantage (0: off). The budget is rollout.max_new_tokens; in multi-turn episodes the policy's tokens "
+        "(observations not counted) against min(max_turns x max_new_tokens, max_episode_tokens)."
     )
     overlong_penalty: float = Field(1.0, description="The overlong punishment at max_new_tokens (>= 0).")
     dynamic_sampling: bool = Field(
@@ -531,6 +534,54 @@ class AlgorithmConfig(_Section):
         0, ge=0, description="Groups generated per step with dynamic_sampling (>= train.groups_per_step, a multiple "
         "of rollout.groups_per_call); 0: twice train.groups_per_step."
     )
+    whiten_over: Literal["token", "response"] = Field(
+        "token", description="reinforce_pp_baseline: whiten the step's advantages over its trained tokens (a "
+        "response's advantage counts once per token it trains; verl and OpenRLHF) or over its responses (each "
+        "counts once, whatever its length)."
+    )
+    # What validation chose for fields the config left unset, because the algorithm needs it (one line each).
+    _chosen: list = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _pairings(self) -> "AlgorithmConfig":
+        """Losses and estimators that are defined with their own aggregation and clip: a field left unset gets
+        the algorithm's (said in `chosen()`), one set against it is refused with the fix."""
+        problems = []
+        pairs = []  # (field, the algorithm's value, whose, why)
+        if self.policy_loss == "gspo":
+            pairs += [("loss_aggregation", "seq_mean_token_mean", "policy_loss gspo", "its loss is per response (the "
+                       "paper's 1/G sum_i); token_mean would weigh each response by its length"),
+                      ("clip_eps_low", 3e-4, "policy_loss gspo", "it clips a sequence ratio that stays within ~1e-3 of 1"),
+                      ("clip_eps_high", 4e-4, "policy_loss gspo", "it clips a sequence ratio that stays within ~1e-3 of 1")]
+            if self.tis != "none":
+                problems.append(f"algorithm.tis: {self.tis} replaces the per-token ratio rho_t that a token-level loss "
+                                "carries; gspo's sequence ratio carries the geometric mean of rho instead. Use mis: "
+                                "geometric (or sequence) with gspo, or tis with ppo_clip / decoupled_ppo")
+        if self.advantage == "dr_grpo":
+            pairs.append(("loss_aggregation", "seq_mean_token_sum_norm", "advantage dr_grpo", "Dr. GRPO removes the "
+                          "length bias with its aggregation too (a sum over tokens over a constant budget)"))
+        for name, value, whose, why in pairs:
+            if name not in self.model_fields_set:
+                setattr(self, name, value)  # now set: a second pairing that wants another value is refused below
+                self._chosen.append(f"algorithm.{name}: {value} (chosen for {whose}: {why})")
+            elif name == "loss_aggregation" and getattr(self, name) != value:
+                problems.append(f"algorithm.loss_aggregation: {getattr(self, name)} does not fit {whose}: {why}; set "
+                                f"loss_aggregation: {value}, or leave it unset")
+            elif name.startswith("clip_eps") and getattr(self, name) >= 0.01:
+                problems.append(f"algorithm.{name}: {getattr(self, name)} never clips under {whose}: {why}; use "
+                                f"{value} (the paper's), or leave it unset")
+        from operators.registry import is_registered
+
+        if self.dynamic_sampling and is_registered("operators.advantage", "TOKEN_ESTIMATORS", self.advantage):
+            problems.append(f"algorithm.dynamic_sampling: it drops groups whose rewards agree, which carry no signal only for "
+                            f"group-relative estimators; {self.advantage}'s advantages come from the critic and are not "
+                            "zero there. Turn dynamic_sampling off, or use a group estimator (grpo, rloo, ...)")
+        _raise_at(problems)
+        return self
+
+    def chosen(self) -> list[str]:
+        """The fields validation set for the algorithm (unset in the config), one line each."""
+        return list(self._chosen)
 
     @field_validator("clip_ratio_c")
     @classmethod
@@ -948,10 +999,18 @@ class JobConfig(_Section):
                 f"train.mini_batches: {self.train.mini_batches} does not divide the {per_rank} samples per rank "
                 f"(groups_per_step x rollout.n / world_size); use one of {divisors}"
             )
-        if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
+        from operators.advantage import policy_token_budget
+
+        env = self.rollout.environment
+        budget = policy_token_budget(self.rollout.max_new_tokens,
+                                     *(() if env is None else (env.max_turns, env.max_episode_tokens)))
+        if self.algorithm.overlong_buffer >= budget:
+            what = ("rollout.max_new_tokens" if env is None else
+                    "the policy's tokens per episode, min(environment.max_turns x rollout.max_new_tokens, "
+                    "environment.max_episode_tokens)")
             problems.append(
-                f"algorithm.overlong_buffer: {self.algorithm.overlong_buffer} leaves no length unpunished "
-                f"(rollout.max_new_tokens={self.rollout.max_new_tokens}); use a buffer below max_new_tokens, or 0"
+                f"algorithm.overlong_buffer: {self.algorithm.overlong_buffer} leaves no length unpunished ({what} = "
+                f"{budget}); use a buffer below {budget}, or 0"
             )
         if self.rollout.top_p < 1:
             # The trainer's log-probs are over the full vocabulary; under nucleus sampling the engine's are

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from operators.advantage import STEP_WHITENED
+from operators.advantage import STEP_WHITENED, policy_token_budget
 from operators.correction import CorrectionSettings
 from operators.train_worker import LrSchedule, TrainerSettings, TrainWorker
 from operators.value_worker import ValueWorker
@@ -60,7 +60,7 @@ POLICY_SETTINGS = {
     "weight_bucket_mb": "train.weight_bucket_mb", "nan_policy": "train.nan_policy",
     "zero3_persistence_threshold": "train.zero3_persistence_threshold", "ppo_epochs": "train.ppo_epochs",
     "mini_batches": "train.mini_batches", "temperature": "rollout.temperature",
-    "max_new_tokens": "rollout.max_new_tokens", "trust_remote_code": "model.trust_remote_code",
+    "trust_remote_code": "model.trust_remote_code",
     "policy_loss": "algorithm.policy_loss", "loss_aggregation": "algorithm.loss_aggregation",
     "clip_eps_low": "algorithm.clip_eps_low", "clip_eps_high": "algorithm.clip_eps_high",
     "clip_ratio_c": "algorithm.clip_ratio_c", "kl_coef": "algorithm.kl_coef",
@@ -93,7 +93,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
     """The policy ranks' settings (POLICY_SETTINGS, plus the LR schedule and the off-policy correction,
     which are built from several fields)."""
     return _settings(
-        cfg, model_path, POLICY_SETTINGS,
+        cfg, model_path, POLICY_SETTINGS, max_new_tokens=policy_budget(cfg),
         lr_schedule=LrSchedule(
             warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
             total_steps=cfg.train.steps * updates_per_step(cfg),
@@ -121,9 +121,17 @@ def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
                               "critic.model_path")
 
 
+def policy_budget(cfg: JobConfig) -> int:
+    """The most tokens the policy writes per response (a multi-turn episode's turns together): the length
+    budget of the overlong shaping and Dr. GRPO's normaliser (operators.advantage.policy_token_budget)."""
+    env = cfg.rollout.environment
+    turns = () if env is None else (env.max_turns, env.max_episode_tokens)
+    return policy_token_budget(cfg.rollout.max_new_tokens, *turns)
+
+
 def advantage_options(cfg: JobConfig) -> dict:
     """Constructor arguments of the Advantage operator (operators.advantage)."""
-    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.rollout.max_new_tokens,
+    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": policy_budget(cfg),
                "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
                "kl_reward_coef": cfg.algorithm.kl_reward_coef}
     if cfg.critic is not None:  # a token estimator (config validation)
@@ -133,8 +141,11 @@ def advantage_options(cfg: JobConfig) -> dict:
 
 def train_options(cfg: JobConfig) -> dict:
     """The algorithm's constructor arguments of the Train operator (operators.train)."""
-    gae_whitened = cfg.critic is not None and cfg.algorithm.gae_whiten
-    return {"whiten_advantages": cfg.algorithm.advantage in STEP_WHITENED or gae_whitened,
+    if cfg.algorithm.advantage in STEP_WHITENED:
+        whiten = cfg.algorithm.whiten_over
+    else:  # GAE's advantages are per token: over the trained tokens
+        whiten = "token" if cfg.critic is not None and cfg.algorithm.gae_whiten else None
+    return {"whiten_advantages": whiten,
             "mini_batches": cfg.train.mini_batches}
 
 

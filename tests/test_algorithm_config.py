@@ -54,7 +54,7 @@ def test_cross_field_problems_name_the_field_and_the_fix():
     assert set(found) == {"train.mini_batches", "algorithm.overlong_buffer", "rollout.top_p"}
     assert "does not divide the 64 samples per rank" in found["train.mini_batches"]
     assert "[1, 2, 4, 8, 16, 32, 64]" in found["train.mini_batches"]
-    assert "below max_new_tokens" in found["algorithm.overlong_buffer"]
+    assert "(rollout.max_new_tokens = 4); use a buffer below 4" in found["algorithm.overlong_buffer"]
     assert "use top_p: 1.0" in found["rollout.top_p"]
     assert load_config(TINY, ["train.mini_batches=4", "train.ppo_epochs=2", "algorithm.overlong_buffer=2"])
 
@@ -94,15 +94,19 @@ def test_trainer_and_operators_get_the_algorithm():
         "decoupled_ppo", 0.05, "k1", 0.01, 4.0, 2, 4)
     assert advantage_options(cfg) == dict(estimator="reinforce_pp_baseline", max_new_tokens=4, overlong_buffer=2,
                                           overlong_penalty=0.5, kl_reward_coef=0.0)
-    assert train_options(cfg) == {"whiten_advantages": True, "mini_batches": 4}  # 4: ranks get equal sample counts
-    assert train_options(load_config(TINY)) == {"whiten_advantages": False, "mini_batches": 1}
+    # REINFORCE++ whitens over the step's trained tokens unless told to weigh responses equally
+    assert train_options(cfg) == {"whiten_advantages": "token", "mini_batches": 4}  # 4: ranks get equal sample counts
+    by_response = load_config(TINY, ["algorithm.advantage=reinforce_pp_baseline", "algorithm.whiten_over=response"])
+    assert train_options(by_response)["whiten_advantages"] == "response"
+    assert train_options(load_config(TINY)) == {"whiten_advantages": None, "mini_batches": 1}
     schedule = trainer_settings(load_config(TINY, ["train.lr_warmup_steps=3", "train.lr_schedule=cosine",
                                                    "train.mini_batches=2", "train.steps=10"]), "model").lr_schedule
     assert (schedule.warmup_steps, schedule.total_steps, schedule.kind) == (6, 20, "cosine")  # in optimizer steps
 
 
 @pytest.mark.parametrize("field", ["algorithm.kl_coef=0.1", "algorithm.tis=token", "train.ppo_epochs=2",
-                                   "train.mini_batches=2", "algorithm.policy_loss=gspo", "algorithm.overlong_buffer=1"])
+                                   "train.mini_batches=2", "algorithm.policy_loss=decoupled_ppo",
+                                   "algorithm.overlong_buffer=1", "algorithm.whiten_over=response"])
 def test_a_resumed_run_cannot_change_how_it_learns(field):
     from pipelines.config import flatten
     from pipelines.resume import config_changes
@@ -111,3 +115,43 @@ def test_a_resumed_run_cannot_change_how_it_learns(field):
     saved = flatten(load_config(TINY, with_reference))
     changed = config_changes(saved, load_config(TINY, [*with_reference, field]))
     assert [key for key, _ in changed] == [field.split("=")[0]]
+
+
+def test_algorithms_get_their_aggregation_and_clip_or_a_refusal(tmp_path):
+    """gspo (per-response loss, clip ~3e-4/4e-4) and Dr. GRPO (sum / budget) are defined with their own
+    aggregation: left unset, the config chooses it and `streamrl validate` says so; set against it, the
+    config is refused (exit 2) with the field and the fix. TIS on gspo's sequence ratio and
+    dynamic sampling on a critic's advantages are refused too."""
+    def cli(*sets: str):
+        args = [sys.executable, "-m", "pipelines.cli", "validate", str(ROOT / "configs" / "tiny_ppo.yaml")]
+        return subprocess.run(args + [item for s in sets for item in ("--set", s)], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    # tiny_ppo.yaml sets loss_aggregation: token_mean, so gspo's pairing is refused there ...
+    refused = cli("algorithm.policy_loss=gspo", "algorithm.clip_eps_high=0.2", "algorithm.tis=sequence")
+    assert refused.returncode == 2, refused.stderr
+    for field in ("algorithm.loss_aggregation: token_mean does not fit policy_loss gspo",
+                  "set loss_aggregation: seq_mean_token_mean", "algorithm.clip_eps_high: 0.2 never clips",
+                  "algorithm.tis: sequence"):
+        assert field in refused.stderr, refused.stderr
+    # ... and where the config leaves them unset (the defaults), gspo brings its own and says so
+    cfg = load_config(None, ["algorithm.policy_loss=gspo"])
+    assert (cfg.algorithm.loss_aggregation, cfg.algorithm.clip_eps_low, cfg.algorithm.clip_eps_high) == (
+        "seq_mean_token_mean", 3e-4, 4e-4)
+    assert [line.split(":")[0] for line in cfg.algorithm.chosen()] == [
+        "algorithm.loss_aggregation", "algorithm.clip_eps_low", "algorithm.clip_eps_high"]
+    (tmp_path / "dr_grpo.yaml").write_text("algorithm:\n  advantage: dr_grpo\n")
+    chosen = subprocess.run([sys.executable, "-m", "pipelines.cli", "validate", str(tmp_path / "dr_grpo.yaml")],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert chosen.returncode == 0, chosen.stderr
+    assert "streamrl: algorithm.loss_aggregation: seq_mean_token_sum_norm (chosen for advantage dr_grpo" in chosen.stderr
+    assert '"loss_aggregation": "seq_mean_token_sum_norm"' in chosen.stdout
+    assert load_config(None, ["algorithm.policy_loss=gspo", "algorithm.clip_eps_low=1e-3"]).algorithm.clip_eps_low == 1e-3
+    # a saved run's config lists every field: resolved, it validates again unchanged and chooses nothing
+    from pipelines.config import JobConfig
+
+    again = JobConfig.model_validate(cfg.model_dump())
+    assert again.algorithm.model_dump() == cfg.algorithm.model_dump() and again.algorithm.chosen() == []
+    found = problems(["algorithm.dynamic_sampling=true", "algorithm.advantage=gae", "critic={}"])
+    assert "algorithm.dynamic_sampling" in found and "critic" in found["algorithm.dynamic_sampling"]

@@ -167,9 +167,10 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
     cfg = load_config(None, ["critic.lr=0.01", "algorithm.advantage=gae"])
     built = trainer_settings(cfg, "model")
     fields = {f.name for f in dataclasses.fields(TrainerSettings)}
-    assert fields == {"model_path", "lr_schedule", "correction", *POLICY_SETTINGS}
+    # max_new_tokens: the policy's budget per response (rollout.max_new_tokens, times turns in an episode)
+    assert fields == {"model_path", "lr_schedule", "correction", "max_new_tokens", *POLICY_SETTINGS}
     defaults = TrainerSettings(model_path="model")
-    for name in POLICY_SETTINGS:
+    for name in [*POLICY_SETTINGS, "max_new_tokens"]:
         assert getattr(defaults, name) == getattr(built, name), name
     assert set(CRITIC_SETTINGS) <= set(POLICY_SETTINGS)
     critic = critic_settings(cfg, "critic")
