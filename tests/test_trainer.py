@@ -12,7 +12,7 @@ import pytest
 from pipelines.config import load_config
 from pipelines.policy_store import create_policy_store
 from pipelines.trainer_group import start_trainer_group
-from operators.train import _explode, _shard
+from operators.train import _explode, _shard, step_normalisers
 from operators.weights import fetch
 
 
@@ -41,8 +41,8 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
     workers, placement = start_trainer_group(cfg, model_path, name)
     try:
         shards = _shard(samples, len(workers))
-        tokens = sum(len(r) for r in samples["response_token_ids"])
-        results = ray.get([w.train_step.remote(s, tokens, len(samples["advantages"])) for w, s in zip(workers, shards)])
+        tokens, sequences = step_normalisers(samples)
+        results = ray.get([w.train_step.remote(s, tokens, sequences) for w, s in zip(workers, shards)])
         version, (ref,) = ray.get(store.get_latest.remote())
         assert version == 1
         # what a generator receives: the manifest's buckets (under ZeRO-3 gathered module by module)
@@ -52,14 +52,20 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
             ray.kill(actor)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation):
+@pytest.mark.parametrize("aggregation,episodes", [("token_mean", False), ("seq_mean_token_mean", True),
+                                                   ("seq_mean_token_sum_norm", True)])
+def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation, episodes):
     """The ranks' shards are balanced by tokens, so they hold different numbers of samples here: the
-    losses still add up to the one-rank step, for a token-normalised and a sequence-averaged loss."""
-    samples = _explode(step_samples(tiny_model_path))
+    losses still add up to the one-rank step, for a token-normalised, a sequence-averaged and Dr. GRPO's
+    loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's)."""
+    from test_multiturn_algorithms import episode_samples
+
+    samples = episode_samples(tiny_model_path) if episodes else _explode(step_samples(tiny_model_path))
     long_response = samples["response_token_ids"][0] * 10  # one long response among short ones
     samples["response_token_ids"][0] = long_response
     samples["behavior_logprobs"][0] = [-1.0 - 0.05 * j for j in range(len(long_response))]
+    if episodes:
+        samples["loss_masks"][0] = samples["loss_masks"][0] * 10
     shards = _shard(samples, 2)
     assert len(shards[0]["advantages"]) != len(shards[1]["advantages"])
     base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4",
@@ -118,9 +124,12 @@ def test_micro_batches_give_the_same_step(tiny_model_path):
 
 def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[list[list[int]]]):
     """The same train step written out in plain torch (no DeepSpeed, no TrainWorker code): per optimizer
-    step, forward the mini-batch, the policy loss with TIS, KL to the reference and the entropy bonus,
-    token_mean over the mini-batch's tokens, backward, clip, AdamW. pi_prox is computed before the first
-    update when there are several, else it is the current log-probs. Returns (losses, grad norms, weights)."""
+    step, forward the mini-batch, the policy loss with TIS (token: weight min(rho_t, C); sequence: min(prod
+    rho, C) in place of rho_t), KL to the reference and the entropy bonus, token_mean over the mini-batch's
+    trained tokens (or Dr. GRPO's sum over responses with a trained token x max_new_tokens), backward, clip,
+    AdamW. Multi-turn samples (`loss_masks`) train their policy tokens only. pi_prox is computed before the
+    first update when there are several, else it is the current log-probs. Returns (losses, grad norms,
+    weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -141,7 +150,8 @@ def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[lis
         for row, (i, seq) in enumerate(zip(indices, seqs)):
             ids[row, :len(seq)], attention[row, :len(seq)] = torch.tensor(seq), 1
             at = slice(len(samples["prompt_token_ids"][i]) - 1, len(seq) - 1)  # next-token positions
-            per_token["mask"][row, at] = 1.0
+            per_token["mask"][row, at] = torch.tensor([float(m) for m in samples["loss_masks"][i]]) \
+                if "loss_masks" in samples else 1.0
             per_token["behave"][row, at] = torch.tensor(samples["behavior_logprobs"][i])
             per_token["adv"][row, at] = samples["advantages"][i]
             per_token["ref"][row, at] = torch.tensor(samples["ref_logprobs"][i])
@@ -167,12 +177,20 @@ def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[lis
             if algo.policy_loss == "decoupled_ppo":
                 options.update(proximal_logprobs=prox, clip_ratio_c=algo.clip_ratio_c)
             per_token, _ = POLICY_LOSSES.get(algo.policy_loss)(logprobs, t["behave"], t["adv"], t["mask"], **options)
+            log_rho = (prox - t["behave"]) * t["mask"]
             if algo.tis == "token":  # effective behaviour weight min(rho, cap)
-                per_token = per_token * torch.clamp(algo.tis_cap / torch.exp(prox - t["behave"]), max=1.0)
+                per_token = per_token * torch.clamp(algo.tis_cap / torch.exp(log_rho), max=1.0)
+            if algo.tis == "sequence":  # the response's prod rho, capped, in place of each token's rho
+                capped = torch.clamp(log_rho.sum(-1, keepdim=True), max=float(np.log(algo.tis_cap)))
+                per_token = per_token * torch.exp(capped - log_rho)
             entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
             per_token = per_token - algo.entropy_coef * entropy
             per_token = per_token + algo.kl_coef * KL_ESTIMATORS.get(algo.kl_estimator)(logprobs, t["ref"])
-            loss = (per_token * t["mask"]).sum() / t["mask"].sum()
+            if algo.loss_aggregation == "seq_mean_token_sum_norm":
+                responses = float((t["mask"].sum(-1) > 0).sum())
+                loss = (per_token * t["mask"]).sum() / (responses * cfg.rollout.max_new_tokens)
+            else:
+                loss = (per_token * t["mask"]).sum() / t["mask"].sum()
             optimizer.zero_grad()
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
@@ -187,23 +205,30 @@ def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[lis
     ["algorithm.policy_loss=decoupled_ppo", "train.ppo_epochs=2", "train.mini_batches=2", "algorithm.tis=token",
      "algorithm.tis_cap=1.05", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.01",
      "reference={}"],
-], ids=["ppo_clip-1x1", "ppo_clip-1x2", "decoupled_tis_kl_entropy-2x2"])
+    "multi-turn",  # episodes: policy and observation tokens, one all-observation episode; Dr. GRPO, sequence TIS
+], ids=["ppo_clip-1x1", "ppo_clip-1x2", "decoupled_tis_kl_entropy-2x2", "episodes_dr_grpo_tis_sequence-2x2"])
 def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
     """Loss, gradient norm and weights after a train step equal the plain-torch reference: ppo_epochs x
     mini_batches optimizer steps, each on its own mini-batch, pi_prox fixed before the first of several."""
     from operators.correction import merge_mismatch
+    from operators.train import step_normalisers
     from operators.train_worker import TrainWorker
     from pipelines.trainer_group import _free_port, trainer_settings
+    from test_multiturn_algorithms import episode_samples
 
     samples = _explode(step_samples(tiny_model_path))
+    if overrides == "multi-turn":
+        samples = episode_samples(tiny_model_path)
+        overrides = ["algorithm.advantage=dr_grpo", "algorithm.policy_loss=decoupled_ppo", "algorithm.tis=sequence",
+                     "algorithm.tis_cap=1.05", "train.ppo_epochs=2", "train.mini_batches=2"]
     # reference log-probs a little off the behaviour ones, so the KL term is not 0
     samples["ref_logprobs"] = [[lp - 0.3 for lp in lps] for lps in samples["behavior_logprobs"]]
-    tokens = sum(len(r) for r in samples["response_token_ids"])
+    tokens, sequences = step_normalisers(samples)
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"] + overrides)
     worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
     count = len(samples["advantages"])
     partitions = [worker.mini_batches(count, epoch) for epoch in range(cfg.train.ppo_epochs)]
-    result = worker.train_step(samples, tokens, count)
+    result = worker.train_step(samples, tokens, sequences)
     losses, norms, weights = _reference_updates(tiny_model_path, samples, cfg, partitions)
 
     assert result["optimizer_steps"] == len(losses) == cfg.train.ppo_epochs * cfg.train.mini_batches
@@ -217,7 +242,7 @@ def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
         assert diff.mean() < 1e-7 and diff.max() <= 2 * cfg.train.lr * len(losses), (name, diff.mean(), diff.max())
     mismatch = merge_mismatch(result["mismatch"])
     assert mismatch["is_tokens"] == tokens  # every token measured once, not once per epoch
-    if cfg.algorithm.tis == "token":
+    if cfg.algorithm.tis != "none":
         assert 0 < mismatch["tis_fraction"] < 1  # the cap 1.05 bites on some tokens, not all
         assert result["kl_ref"] > 0
 
