@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
 
 from operators.registry import Registry
 
@@ -63,6 +66,28 @@ class EnvStep:
     tool_call: str | None = None  # for lineage: the call the turn made, if any
     error: str | None = None  # the turn caused an error (a failed tool call); the observation says so
     info: dict = field(default_factory=dict)
+
+
+def env_step_problem(result) -> str | None:
+    """What is wrong with an environment's answer to a turn, or None: it must be an EnvStep whose reward is
+    None or a finite number, whose observation is text, and whose tool_call and error are None or text.
+    The rollout loop treats a wrong answer as the environment's error (that episode ends, counted in
+    env_errors), not as the job's: a NaN reward would otherwise make the whole step's loss NaN."""
+    if not isinstance(result, EnvStep):
+        return f"step() returned {type(result).__name__}, not an EnvStep"
+    reward = result.reward
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float, np.integer, np.floating)):
+            return f"EnvStep.reward is {type(reward).__name__} {reward!r}, not a number"
+        if not math.isfinite(float(reward)):
+            return f"EnvStep.reward is {float(reward)}, not a finite number"
+    if not isinstance(result.observation, str):
+        return f"EnvStep.observation is {type(result.observation).__name__}, not text"
+    for name in ("tool_call", "error"):
+        value = getattr(result, name)
+        if value is not None and not isinstance(value, str):
+            return f"EnvStep.{name} is {type(value).__name__}, not text or None"
+    return None
 
 
 class Environment(Protocol):

@@ -42,11 +42,15 @@ from typing import Any, Mapping
 import numpy as np
 
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
-from operators.environment import Turn
+from operators.environment import Turn, env_step_problem
 from operators.faults import fault_point
 from operators.weights import received_async
 
 logger = logging.getLogger(__name__)
+
+
+class EnvOutputError(ValueError):
+    """An environment answered a turn with something that is not a valid EnvStep (env_step_problem)."""
 
 
 @dataclass
@@ -311,6 +315,9 @@ class RolloutLoop:
                 try:
                     result = await loop.run_in_executor(self._env_executor, env.step,
                                                         Turn(index, text, list(ids), ended_by, history))
+                    problem = env_step_problem(result)  # a wrong answer (a NaN reward, say) is the environment's error
+                    if problem:
+                        raise EnvOutputError(problem)
                 except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, not the job
                     record["error"] = f"environment: {type(err).__name__}: {err}"
                     episode.env_errors += 1

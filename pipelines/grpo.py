@@ -38,7 +38,7 @@ from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
 from operators.train import Train
 from operators.value import Value
-from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, StepCheckpoints, dataset_digest
+from pipelines.checkpoint import CRITIC_DIR, LEDGER, CheckpointDir, StepCheckpoints, dataset_digest, next_run_sequence
 from pipelines.config import ConfigError, JobConfig, ModelConfig
 from pipelines.datasets import load_prompts
 from pipelines.evaluation import InTrainingEval, load_eval_prompts
@@ -85,10 +85,14 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
     Each frame becomes one block of the source, so no generate call spans two steps."""
     steps, per_step, per_call = cfg.train.steps, cfg.generated_groups_per_step(), cfg.rollout.groups_per_call
     total = steps * per_step
-    order, epoch = [], 0
-    while len(order) < total:
+    if prompts.empty:
+        raise ValueError("no prompts to schedule")  # validate_prompts refuses an empty dataset before this
+    # One shuffled copy per epoch the job reaches: ceil(total / rows) of them, not one per group.
+    order, epoch, scheduled = [], 0, 0
+    while scheduled < total:
         epoch_rows = prompts.sample(frac=1.0, random_state=cfg.data.seed + epoch) if cfg.data.shuffle else prompts
         order.append(epoch_rows.assign(epoch=epoch))
+        scheduled += len(epoch_rows)
         epoch += 1
     table = pd.concat(order, ignore_index=True).iloc[:total].copy()
     table["train_step"] = table.index // per_step
@@ -408,7 +412,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     if resume is None:
         run_id = tracker.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         run_dir = CheckpointDir.of_run(output_dir, run_id)
-        run_dir.write_run_file(run_file_info(cfg, run_id, digest, time.time()))
+        run_dir.write_run_file(run_file_info(cfg, run_id, digest, time.time(), next_run_sequence(output_dir)))
     start = checkpoint.step if checkpoint else 0
     echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
          f"max_staleness={cfg.train.max_staleness}, model {model_path}")

