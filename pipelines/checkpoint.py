@@ -116,15 +116,18 @@ def verify(folder: Path, hashes: bool = True) -> dict:
         raise CheckpointError(f"{folder} has no {MANIFEST}: it was not completely written")
     try:
         manifest = json.loads(manifest_file.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{manifest_file} is unreadable ({err})") from None
-    for name, entry in manifest["files"].items():
-        file = folder / name
-        if not file.is_file() or file.stat().st_size != entry["size"]:
+        entries = [(folder / name, int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # not JSON, or not a manifest's shape
+        raise CheckpointError(f"{manifest_file} is unreadable ({type(err).__name__}: {err})") from None
+    for file, size, sha256 in entries:
+        if not file.is_file() or file.stat().st_size != size:
             raise CheckpointError(f"{file} is missing or has the wrong size: the checkpoint is damaged")
-        if hashes and _sha256(file) != entry["sha256"]:
+        if hashes and _sha256(file) != sha256:
             raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST}: the checkpoint is damaged")
-    return json.loads((folder / STATE).read_text())
+    try:
+        return json.loads((folder / STATE).read_text())
+    except (OSError, ValueError) as err:  # listed in no manifest of ours: a manifest written by hand
+        raise CheckpointError(f"{folder / STATE} is unreadable ({type(err).__name__}: {err})") from None
 
 
 class CheckpointDir:
@@ -144,8 +147,8 @@ class CheckpointDir:
         write_json_atomic(self.root / RUN_FILE, info)
 
     def run_file(self) -> dict | None:
-        file = self.root / RUN_FILE
-        return json.loads(file.read_text()) if file.is_file() else None
+        """The run's run.json, None when there is none; CheckpointError when it is not readable JSON."""
+        return read_run_file(self.root / RUN_FILE)
 
     # --- writing ------------------------------------------------------------------------
 
@@ -292,13 +295,72 @@ class StepCheckpoints:
         return final
 
 
-def find_run_dirs(output_dir: Path) -> list[Path]:
-    """Run folders under `output_dir/checkpoints`, oldest first (by when the run started)."""
+# A run id as MLflow makes and accepts them (its validation uses this pattern, in a private module): a letter or
+# digit, then letters, digits, '_' or '-'. Local run ids ("local-20261203-064013-1a2b3c") fit it too. A run id
+# becomes a folder name, so one from a command line or a state.json is checked against it before any path is
+# made of it ('..' or an absolute path would reach folders outside the run's).
+RUN_ID_PATTERN = re.compile(r"^[a-zA-Z0-9][\w\-]{0,255}$")
+
+
+def checked_run_id(run_id, where: str) -> str:
+    """`run_id` if it is a valid run id, else CheckpointError saying `where` it came from."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+        raise CheckpointError(f"{where}: {run_id!r} is not a run id (letters, digits, '_' and '-', starting with a "
+                              "letter or digit); give the id streamrl printed, or 'latest'")
+    return run_id
+
+
+def read_run_file(file: Path) -> dict | None:
+    """A run.json as a dict; None when the file is not there; CheckpointError naming it when it is not a
+    JSON object (a torn copy, an edit gone wrong)."""
+    if not file.is_file():
+        return None
+    try:
+        info = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} is unreadable ({type(err).__name__}: {err}); restore it from a copy, or move "
+                              "the run's folder away") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(info).__name__}, not a run's record; restore it from a "
+                              "copy, or move the run's folder away")
+    return info
+
+
+def next_run_sequence(output_dir: Path) -> int:
+    """The number the next run under `output_dir` takes: one more than any run's there (0 for the first).
+    `--resume latest` follows these numbers, not the wall clocks of the drivers that started the runs."""
+    numbers = [info.get("sequence", -1) for _, info in _run_infos(output_dir)]
+    return max([n for n in numbers if isinstance(n, int)], default=-1) + 1
+
+
+def _run_infos(output_dir: Path) -> list[tuple[Path, dict]]:
+    """(folder, run.json) of each run under `output_dir/checkpoints` whose run.json reads; one that does not
+    is left out with a line saying so (it cannot be resumed, and must not stop the others being found)."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    runs = [p for p in root.iterdir() if (p / RUN_FILE).is_file()]
-    return sorted(runs, key=lambda p: json.loads((p / RUN_FILE).read_text()).get("started_at", 0))
+    runs = []
+    for folder in sorted(root.iterdir()):
+        try:
+            info = read_run_file(folder / RUN_FILE)
+        except CheckpointError as err:
+            print(f"streamrl: skipping run {folder.name}: {err}")
+            continue
+        if info is not None:
+            runs.append((folder, info))
+    return runs
+
+
+def find_run_dirs(output_dir: Path) -> list[Path]:
+    """Run folders under `output_dir/checkpoints`, oldest first: by the run's sequence number (next_run_sequence),
+    then by when it started for runs without one; a run whose run.json is unreadable is skipped."""
+    def order(item: tuple[Path, dict]):
+        sequence = item[1].get("sequence")
+        started = item[1].get("started_at", 0)
+        return (isinstance(sequence, int), sequence if isinstance(sequence, int) else 0,
+                started if isinstance(started, (int, float)) else 0)
+
+    return [folder for folder, _ in sorted(_run_infos(output_dir), key=order)]
 
 
 def dataset_digest(prompts: pd.DataFrame) -> str:

@@ -102,11 +102,17 @@ def dataset_problems(
         return [f"{where}.path: {err}"], path
     except Exception as err:  # a corrupt file must be named, not crash later in an actor
         return [f"{where}.path: cannot read {path!r} ({type(err).__name__}: {err}); check the file"], path
+    if not columns:  # an empty .jsonl / .json: no rows, so no columns either
+        return [f"{where}.path: {path!r} holds no prompts (no rows); give a dataset with at least one row"], path
     problems = [
         f"{where}.{field_name}: column {column!r} is not in {path!r}; its columns are {columns}"
         for field_name, column in (("prompt_column", prompt_column), ("id_column", id_column))
         if column is not None and column not in columns
     ]
+    from pipelines.datasets import column_problems
+
+    problems += [f"{field}: {message}" for field, message in column_problems(columns, prompt_column, id_column, path,
+                                                                             where)]
     return problems, str(file.resolve())
 
 

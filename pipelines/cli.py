@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--reward", dest="rewards", action="append", metavar="NAME",
                           help="reward function instead of the run's (builtin name or module:function; repeatable)")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a field of the run's config, e.g. --set eval.n=16 (repeatable)")
+                          help="override a field of the run's config, e.g. --set eval.n=16 (repeatable); "
+                          "--set model.trust_remote_code=true runs the checkpoint's own code (never taken from "
+                          "the checkpoint)")
     evaluate.add_argument("--output-dir", help="the job's output_dir, to find a run id (default: searched under ./runs)")
     evaluate.add_argument("--output", help="Parquet file for the scored responses "
                           "(default: <output_dir>/eval/RUN_ID/checkpoint_step_NNNNNN.parquet)")
@@ -165,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     for line in cfg.algorithm.chosen():  # fields the algorithm set because the config left them unset
         print(f"streamrl: {line}", file=sys.stderr if args.command == "validate" else sys.stdout)
     if args.command == "validate":
+        from pipelines.models import cached_model_path, model_folder_problems
+
+        folder = cached_model_path(cfg.model.path, cfg.model.revision)  # nothing is downloaded or built to check
+        problems = model_folder_problems(folder, "model.path", cfg.model.trust_remote_code) if folder else []
+        if problems:
+            print(f"error: {ConfigError(problems, args.config)}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
         print(cfg.model_dump_json(indent=2))
         return 0
     return _run(args, cfg)

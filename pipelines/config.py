@@ -44,7 +44,9 @@ class ConfigError(Exception):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # allow_inf_nan=False: YAML's .nan and .inf are refused for every number (a NaN weight or threshold
+    # would silently poison every reward or success count).
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 def _schedulable_gpus(value: float) -> float:
@@ -945,6 +947,10 @@ class RayConfig(_Section):
     )
 
 
+# The built-in outcome estimators that compare the responses to one prompt: with one response each gives 0.
+GROUP_ESTIMATORS = ("grpo", "grpo_no_std", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
 class JobConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="The prompt dataset.")
@@ -1026,6 +1032,12 @@ class JobConfig(_Section):
                     f"algorithm.{coef}: KL to a reference needs the reference log-probs; add a `reference:` "
                     "section (`reference: {}` uses the starting policy) or set the coefficient to 0"
                 )
+        if self.rollout.n == 1 and self.algorithm.advantage in GROUP_ESTIMATORS:
+            problems.append(
+                f"rollout.n: 1 response per prompt gives every response advantage 0 under "
+                f"algorithm.advantage {self.algorithm.advantage} (it compares the responses to one prompt), so "
+                "nothing would be learned; sample n >= 2 (e.g. 8), or use advantage: gae with a critic"
+            )
         problems += self._critic_problems(samples)
         problems += self._eval_engine_problems()
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
@@ -1112,7 +1124,9 @@ def _format_pydantic(err: ValidationError) -> list[tuple[str, str]]:
             continue
         path = ".".join(loc) or "(top level)"
         hint = _FIX_BY_TYPE.get(item["type"])
-        if hint:
+        if item["type"] == "finite_number":
+            message = f"{item.get('input')!r} is not a finite number; give a finite value"
+        elif hint:
             message = hint
         elif item["type"] != "value_error":
             message = f"{message} (got {item.get('input')!r})"

@@ -162,6 +162,9 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
         message = (f"{data.path!r} has no column {missing[0]!r}; its columns are {list(frame.columns)}; "
                    "fix data.prompt_column / data.id_column")
         raise ConfigError([("data.path", message)], data.path)
+    problems = column_problems(list(frame.columns), data.prompt_column, data.id_column, data.path)
+    if problems:
+        raise ConfigError(problems, data.path)
     ids = frame[data.id_column] if data.id_column else None
     frame = frame.rename(columns={data.prompt_column: "prompt"})
     if ids is not None:
@@ -169,6 +172,31 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
     else:
         frame["prompt_id"] = [f"row-{index:08d}" for index in range(len(frame))]
     return frame.reset_index(drop=True), data.path
+
+
+# Columns streamrl adds to every prompt row on its way through the DAG (the prompt's id, its place in the
+# schedule, what the stages produce): a dataset column of one of these names would be overwritten.
+RESERVED_COLUMNS = ("prompt_id", "epoch", "train_step", "group_uid", "policy_version", "prompt_text",
+                    "prompt_token_ids", "responses", "response_token_ids", "response_lengths", "behavior_logprobs",
+                    "rewards", "advantages", "returns", "values", "loss_masks", "turns", "ref_logprobs")
+
+
+def column_problems(columns: list[str], prompt_column: str, id_column: str | None,
+                    path: str, where: str = "data") -> list[tuple[str, str]]:
+    """A dataset's columns that would collide with streamrl's: a `prompt` column beside another
+    prompt_column (streamrl renames the prompt column to `prompt`), and the reserved names."""
+    problems = []
+    if prompt_column != "prompt" and "prompt" in columns:
+        problems.append((f"{where}.prompt_column", f"{path!r} has a column 'prompt' besides the prompt column "
+                         f"{prompt_column!r}, and streamrl names the prompt column 'prompt'; rename or drop that "
+                         "column, or set prompt_column: prompt"))
+    reserved = [c for c in columns if c in RESERVED_COLUMNS and c != id_column]
+    if reserved:
+        problems.append((f"{where}.path", f"{path!r} has columns streamrl adds to every row itself: {reserved} "
+                         "(they would be overwritten); rename them (e.g. with a 'data_' prefix)"
+                         + (f"; if 'prompt_id' holds the prompts' ids, set {where}.id_column: prompt_id"
+                            if "prompt_id" in reserved else "")))
+    return problems
 
 
 def _id_text(value) -> str:
@@ -375,6 +403,10 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str,
 
     data = cfg.data
     frame = prompts.reset_index(drop=True)
+    if frame.empty:
+        raise ConfigError([("data.path", f"{data.path!r} holds no prompts (0 rows); give a dataset with at least "
+                            "one row")],
+                          data.path)
     problems, reasons = _prompt_problems(frame)
     try:
         renderer = PromptRenderer(load_tokenizer(model_path, cfg.model.trust_remote_code),

@@ -20,7 +20,6 @@ The same job from Python (see the README):
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,11 +115,21 @@ def eval_config(checkpoint: Checkpoint, data: str | None = None, rewards: list[s
     if not (checkpoint.path / "config.json").is_file():
         raise EvalError(f"{checkpoint.path} holds no Hugging Face export of the policy (only the last checkpoint "
                         "has one when train.checkpoint_hf_export: last); evaluate the run's final checkpoint")
-    run_file = checkpoint.path.parent / RUN_FILE
-    if not run_file.is_file():
+    from pipelines.checkpoint import CheckpointError, read_run_file
+
+    try:
+        info = read_run_file(checkpoint.path.parent / RUN_FILE)
+    except CheckpointError as err:
+        raise EvalError(str(err)) from None
+    if info is None:
         raise EvalError(f"{checkpoint.path.parent} has no {RUN_FILE}; it is not a streamrl run folder")
-    tree = _unflatten(json.loads(run_file.read_text())["config"])
-    tree["model"] = {**tree.get("model", {}), "path": str(checkpoint.path)}
+    if not isinstance(info.get("config"), dict):
+        raise EvalError(f"{checkpoint.path.parent / RUN_FILE} holds no config; restore it from a copy, or give the "
+                        "settings with --set")
+    tree = _unflatten(info["config"])
+    # The command line decides whether the checkpoint's code runs (--set model.trust_remote_code=true), not the
+    # checkpoint's own run.json: a checkpoint from elsewhere must not be able to turn remote code on.
+    tree["model"] = {**tree.get("model", {}), "path": str(checkpoint.path), "trust_remote_code": False}
     # the training prompts are not read; how they were rendered is kept (held-out prompts are rendered alike)
     tree["data"] = {key: value for key, value in (tree.get("data") or {}).items()
                     if key in ("chat_template", "system_prompt")}
@@ -205,7 +214,13 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Checkpoint, output: str | No
 
     settings = EvalSettings.of(cfg)
     prompts, source = load_eval_prompts(cfg, str(checkpoint.path), echo)  # bad rows: exit 2, nothing started
-    run_id = checkpoint.state.get("run_id") or checkpoint.path.parent.name
+    from pipelines.checkpoint import CheckpointError, checked_run_id
+
+    try:  # the id becomes a folder name and an MLflow lookup: the checkpoint's state.json is not trusted with it
+        run_id = checked_run_id(checkpoint.state.get("run_id") or checkpoint.path.parent.name,
+                                f"{checkpoint.path / 'state.json'} run_id")
+    except CheckpointError as err:
+        raise EvalError(str(err)) from None
     out = Path(output) if output else (Path(cfg.output_dir) / "eval" / run_id / f"checkpoint_{checkpoint.path.name}.parquet")
     tracking = EvalTracking(cfg, run_id, checkpoint, prompts, source, settings) if cfg.tracking.enabled else None
     echo(f"streamrl eval: {len(prompts)} prompts of {source}, policy version {checkpoint.step} "

@@ -192,13 +192,57 @@ def resolve_model_path(model, field: str = "model.path", echo: Callable[[str], N
     return folder
 
 
+def model_folder_problems(folder: str, field: str = "model.path", trust_remote_code: bool = False) -> list[tuple[str, str]]:
+    """(field, message) for each thing in a model folder that would fail a job once its actors run: a
+    config.json that is missing, not JSON or not readable by transformers; a tokenizer that does not load;
+    one with neither a pad nor an eos token (the HF engine pads batches with one of them) or neither a bos
+    nor an eos token (vLLM warms up on one of them). Loads the config and the tokenizer (not the weights)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    def one_line(err: Exception) -> str:
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+    problems = []
+    config_file = Path(folder) / "config.json"
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+        AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except FileNotFoundError:
+        problems.append((field, f"{folder!r} has no config.json; point {field} at a folder made by save_pretrained"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problems.append((field, f"{str(config_file)!r} is not valid JSON ({one_line(err)}); restore it from the "
+                         "model's source (save_pretrained writes it)"))
+    except Exception as err:  # noqa: BLE001 - transformers raises several kinds; each means the same to the user
+        problems.append((field, f"transformers cannot read {str(config_file)!r} ({one_line(err)}); fix its "
+                         "model_type and fields, or save the model again with save_pretrained"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001
+        problems.append((field, f"the tokenizer in {folder!r} does not load ({one_line(err)}); save the model's "
+                         "tokenizer into the folder (tokenizer.save_pretrained(folder))"))
+        return problems
+    fix = "set it on the tokenizer (e.g. tokenizer.eos_token = '</s>') and save it into the folder again"
+    if tokenizer.eos_token_id is None and tokenizer.pad_token_id is None:
+        problems.append((field, f"the tokenizer in {folder!r} has neither a pad nor an eos token, and batches are "
+                         f"padded with one of them; {fix}"))
+    if tokenizer.eos_token_id is None and tokenizer.bos_token_id is None:
+        problems.append((field, f"the tokenizer in {folder!r} has neither a bos nor an eos token, which the engines "
+                         f"start and end sequences with; {fix}"))
+    return problems
+
+
 def resolve_job_models(cfg, echo: Callable[[str], None] = print) -> str:
     """Resolve every model a job config names (policy, critic, reference), before anything starts, so that
     a download or a conversion never happens once actors run and its failure is a ConfigError. Returns the
-    policy's folder; later `resolve_model_path` calls of this process get the others from memory."""
-    from pipelines.config import ModelConfig
+    policy's folder; later `resolve_model_path` calls of this process get the others from memory. The
+    policy's folder is checked (model_folder_problems): a broken one is a ConfigError, not a traceback in
+    an actor."""
+    from pipelines.config import ConfigError, ModelConfig
 
     policy = resolve_model_path(cfg.model, "model.path", echo)
+    problems = model_folder_problems(policy, "model.path", cfg.model.trust_remote_code)
+    if problems:
+        raise ConfigError(problems)
     for field, path, revision in _named_models(cfg)[1:]:
         resolve_model_path(ModelConfig.model_construct(path=path, revision=revision), field, echo)
     return policy

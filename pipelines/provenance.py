@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines.checkpoint import Checkpoint, CheckpointDir, CheckpointError, find_run_dirs, verify
+from pipelines.checkpoint import Checkpoint, CheckpointDir, CheckpointError, checked_run_id, find_run_dirs, verify
 
 
 class LineageError(Exception):
@@ -24,6 +24,10 @@ class LineageError(Exception):
 def find_run_dir(run_id: str, output_dir: str | None, instead: str = "--checkpoint PATH") -> Path:
     """`output_dir/checkpoints/RUN_ID`; without output_dir, searched under ./runs. `instead`: what the
     error suggests passing instead of a run id."""
+    try:
+        checked_run_id(run_id, "the run")
+    except CheckpointError as err:
+        raise LineageError(str(err)) from None
     roots = [Path(output_dir)] if output_dir else sorted({p.parent.parent for p in Path("runs").glob("**/checkpoints/*")})
     for root in roots:
         if (root / "checkpoints" / run_id).is_dir():

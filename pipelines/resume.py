@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines.checkpoint import Checkpoint, CheckpointDir, find_run_dirs
+from pipelines.checkpoint import Checkpoint, CheckpointDir, CheckpointError, checked_run_id, find_run_dirs
 from pipelines.config import ConfigError, JobConfig, flatten
 
 # Fields a resumed run may change: where and how it runs, not what it learns.
@@ -48,6 +48,11 @@ _PEER_DEATHS = ("Connection closed by peer", "Connection reset by peer", "Broken
 
 def resolve_run(output_dir: Path, resume: str) -> str:
     """The run id `--resume` names: itself, or the newest run under `output_dir` for 'latest'."""
+    if resume != "latest":
+        try:
+            checked_run_id(resume, "--resume")
+        except CheckpointError as err:
+            raise ConfigError([("--resume", str(err).removeprefix("--resume: "))]) from None
     runs = find_run_dirs(output_dir)
     if resume == "latest":
         if not runs:
@@ -65,10 +70,13 @@ def config_changes(saved: dict, cfg: JobConfig) -> list[tuple[str, str]]:
     """(field, message) for every field that differs from the run's and may not change."""
     now = flatten(cfg)
     before = {key: value for key, value in saved.items()}
+    defaults = flatten(JobConfig())
     problems = []
     for key in sorted(set(now) | set(before)):
         if key.startswith(MAY_CHANGE) or now.get(key) == before.get(key):
             continue
+        if key not in before and key in defaults and now.get(key) == defaults[key]:
+            continue  # a field added since the run was saved, at its default: what the run did before it existed
         problems.append((key, f"the run used {before.get(key)!r}, this config has {now.get(key)!r}; a resumed run "
                               "must learn the same way: use the run's value, or start a new run without --resume"))
     return problems
@@ -78,7 +86,10 @@ def check_can_resume(
     cfg: JobConfig, run_dir: CheckpointDir, checkpoint: Checkpoint | None, schedule: list[pd.DataFrame], digest: str
 ) -> None:
     """Raise ConfigError unless this config and these prompts continue the run exactly."""
-    info = run_dir.run_file()
+    try:
+        info = run_dir.run_file()
+    except CheckpointError as err:
+        raise ConfigError([("--resume", str(err))]) from None
     if info is None:
         raise ConfigError([("--resume", f"{run_dir.root} has no run.json; it is not a streamrl run folder")])
     problems = config_changes(info["config"], cfg)
@@ -103,8 +114,11 @@ def check_can_resume(
         raise ConfigError(problems, f"resume {run_dir.root.name}")
 
 
-def run_file_info(cfg: JobConfig, run_id: str, digest: str, started_at: float) -> dict:
-    return {"run_id": run_id, "config": flatten(cfg), "dataset_digest": digest, "started_at": started_at}
+def run_file_info(cfg: JobConfig, run_id: str, digest: str, started_at: float, sequence: int | None = None) -> dict:
+    """A new run's run.json. `sequence`: its number among the runs of its output_dir (next_run_sequence),
+    what `--resume latest` orders runs by."""
+    info = {"run_id": run_id, "config": flatten(cfg), "dataset_digest": digest, "started_at": started_at}
+    return info if sequence is None else {**info, "sequence": sequence}
 
 
 class AttemptFailed(RuntimeError):
