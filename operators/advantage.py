@@ -211,19 +211,11 @@ def whiten_over_step(advantages: List[List], token_masks: List[List] | None = No
     for g, group in enumerate(advantages):
         for r, entry in enumerate(group):
             entry = np.atleast_1d(np.asarray(entry, dtype=np.float64))  # [1] or [T]
-            if token_masks is None:
-                values.append(entry)
-                weights.append(np.ones(len(entry)))
-                continue
-            mask = np.asarray(token_masks[g][r], dtype=np.float64)  # [T]
-            if len(entry) == 1 and len(mask) != 1:  # a response's float: once per trained token
-                values.append(entry)
-                weights.append(np.array([mask.sum()]))
-            elif len(entry) != len(mask):
+            mask = np.ones(len(entry)) if token_masks is None else np.asarray(token_masks[g][r], dtype=np.float64)
+            if len(entry) != len(mask) and len(entry) != 1:
                 raise ValueError(f"group {g} response {r}: {len(entry)} advantages for {len(mask)} token mask entries")
-            else:
-                values.append(entry)
-                weights.append(mask)
+            values.append(entry)
+            weights.append(mask if len(entry) == len(mask) else np.array([mask.sum()]))  # a float: once per token
     values, weights = np.concatenate(values), np.concatenate(weights)  # [N] each
     total = weights.sum()
     if total <= 0:  # nothing is trained this step: nothing to whiten

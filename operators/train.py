@@ -69,7 +69,7 @@ class Train:
         stop=None,
         prior_ledger: str | None = None,
         max_nan_skips: int | None = None,
-        whiten_advantages: str | bool | None = None,
+        whiten_advantages: str | None = None,
         generated_per_step: int | None = None,
         dynamic_sampling: bool = False,
         critics: Sequence = (),
@@ -82,7 +82,7 @@ class Train:
         True means a graceful stop: that step is checkpointed and its row says `stopped`
         (pipelines.preemption.StopRequest). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
         the checkpoint the job resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
-        (operators.advantage.whiten_over_step; REINFORCE++, GAE) before training on them: "token" (True) over
+        (operators.advantage.whiten_over_step; REINFORCE++, GAE) before training on them: "token" over
         every trained token (a response's advantage counts once per token, observation tokens not at all),
         "response" once per response; None: not. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
@@ -93,9 +93,9 @@ class Train:
         self.mini_batches = mini_batches
         self.generated_per_step = generated_per_step or groups_per_step
         self.dynamic_sampling = dynamic_sampling
-        if whiten_advantages not in (None, False, True, "token", "response"):
+        if whiten_advantages not in (None, "token", "response"):
             raise ValueError(f"whiten_advantages: {whiten_advantages!r}; use 'token', 'response' or None")
-        self.whiten_advantages = "token" if whiten_advantages is True else (whiten_advantages or None)
+        self.whiten_advantages = whiten_advantages
         self.workers = list(workers)
         self.critics = list(critics)
         self.groups_per_step = groups_per_step

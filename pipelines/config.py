@@ -1005,13 +1005,9 @@ class JobConfig(_Section):
                 f"train.mini_batches: {self.train.mini_batches} does not divide the {per_rank} samples per rank "
                 f"(groups_per_step x rollout.n / world_size); use one of {divisors}"
             )
-        from operators.advantage import policy_token_budget
-
-        env = self.rollout.environment
-        budget = policy_token_budget(self.rollout.max_new_tokens,
-                                     *(() if env is None else (env.max_turns, env.max_episode_tokens)))
+        budget = self.policy_budget()
         if self.algorithm.overlong_buffer >= budget:
-            what = ("rollout.max_new_tokens" if env is None else
+            what = ("rollout.max_new_tokens" if self.rollout.environment is None else
                     "the policy's tokens per episode, min(environment.max_turns x rollout.max_new_tokens, "
                     "environment.max_episode_tokens)")
             problems.append(
@@ -1044,6 +1040,15 @@ class JobConfig(_Section):
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         _raise_at(problems)
         return self
+
+    def policy_budget(self) -> int:
+        """The most tokens the policy writes per response (a multi-turn episode's turns together): the length
+        budget of the overlong shaping and Dr. GRPO's normaliser (operators.advantage.policy_token_budget)."""
+        from operators.advantage import policy_token_budget
+
+        env = self.rollout.environment
+        return policy_token_budget(self.rollout.max_new_tokens,
+                                   *(() if env is None else (env.max_turns, env.max_episode_tokens)))
 
     def generated_groups_per_step(self) -> int:
         """Groups generated (scheduled) per train step: train.groups_per_step, more with dynamic sampling."""

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from operators.advantage import STEP_WHITENED, policy_token_budget
+from operators.advantage import STEP_WHITENED
 from operators.correction import CorrectionSettings
 from operators.train_worker import LrSchedule, TrainerSettings, TrainWorker
 from operators.value_worker import ValueWorker
@@ -93,7 +93,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
     """The policy ranks' settings (POLICY_SETTINGS, plus the LR schedule and the off-policy correction,
     which are built from several fields)."""
     return _settings(
-        cfg, model_path, POLICY_SETTINGS, max_new_tokens=policy_budget(cfg),
+        cfg, model_path, POLICY_SETTINGS, max_new_tokens=cfg.policy_budget(),
         lr_schedule=LrSchedule(
             warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
             total_steps=cfg.train.steps * updates_per_step(cfg),
@@ -121,17 +121,9 @@ def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
                               "critic.model_path")
 
 
-def policy_budget(cfg: JobConfig) -> int:
-    """The most tokens the policy writes per response (a multi-turn episode's turns together): the length
-    budget of the overlong shaping and Dr. GRPO's normaliser (operators.advantage.policy_token_budget)."""
-    env = cfg.rollout.environment
-    turns = () if env is None else (env.max_turns, env.max_episode_tokens)
-    return policy_token_budget(cfg.rollout.max_new_tokens, *turns)
-
-
 def advantage_options(cfg: JobConfig) -> dict:
     """Constructor arguments of the Advantage operator (operators.advantage)."""
-    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": policy_budget(cfg),
+    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.policy_budget(),
                "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
                "kl_reward_coef": cfg.algorithm.kl_reward_coef}
     if cfg.critic is not None:  # a token estimator (config validation)

@@ -304,7 +304,7 @@ def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_c
                        prompt="p", responses=["r"] * 4, response_lengths=[len(r) for r in row["response_token_ids"]],
                        rewards=[1.0, 0.0, 0.0, 1.0], reward_errors=0, reward_timeouts=0,
                        advantages=[1.0, 0.0, 0.0, 3.0] if index == 0 else [2.0, 2.0, 2.0, 4.0])
-        train = Train(workers, groups_per_step=2, total_steps=1, first_step=2, whiten_advantages=True)
+        train = Train(workers, groups_per_step=2, total_steps=1, first_step=2, whiten_advantages="token")
         (out,) = list(train(pd.DataFrame(rows)))
         metrics = out.iloc[0]
         logged = pd.read_parquet(io.BytesIO(metrics["rollouts_parquet"]))
