@@ -253,6 +253,8 @@ def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_p
 
 
 @pytest.mark.slow
+# make test-extended (230 s): CI keeps the generate-actor SIGKILL and the driver SIGKILL + resume of test_faults.py
+@pytest.mark.extended
 def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and_resumed(tmp_path, untrained_model):
     """The generate actor dies with requests frozen in its paused engine (Ray Data restarts it and
     retries its calls: the half-done groups are generated again); later the driver is SIGKILLed and
