@@ -1,6 +1,6 @@
 """A chaos run: one job on a real two-node Ray cluster, faults injected at random times from a seed.
 
-    python benchmarks/chaos.py                 # seed 0, 12 faults of 6 kinds, ~10 minutes on 2 cores
+    python benchmarks/chaos.py                 # seed 0, 16 faults of 8 kinds, ~15 minutes on 2 cores
     python benchmarks/chaos.py --seed 7 --faults 6 --steps 120 --no-baseline
 
 What it starts, all real processes on this machine: a head (`ray start --head`) and a second node
@@ -14,6 +14,8 @@ with faults, each kind drawn from a shuffled deck so every kind comes up:
     trainer   SIGKILL a trainer rank's process         mlflow   kill the MLflow server, restart it 5-15 s later
     node      SIGKILL every process of the second node (raylet included); a new node joins 20 s later
     sigterm   SIGTERM to the driver (a graceful stop, exit 75), then `streamrl run ... --resume RUN_ID`
+    disk      fill the job's disk (output_dir is a 2 GiB tmpfs) to 1 MiB free; the file goes 20-40 s later
+    writer    a second `streamrl run ... --resume RUN_ID` while the job runs: it must be refused (exit 2)
 
 A fault is injected once the job has written a checkpoint newer than the newest at the previous
 fault (recovered) and a random 15-35 s more (--gap-s). At the end the final checkpoint's ledger is checked: every prompt of the epoch trained
@@ -48,7 +50,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # real-process helpers shared with the 
 
 from mlflow_server import MlflowServer, Sessions, add_node, start_head  # noqa: E402
 
-KINDS = ("generate", "reward", "trainer", "mlflow", "node", "sigterm")
+KINDS = ("generate", "reward", "trainer", "mlflow", "node", "sigterm", "disk", "writer")
+DISK_SIZE = "2g"  # the tmpfs the job's output_dir lies on: room for checkpoint_keep + 1 tiny checkpoints
 GROUPS, MAX_STALENESS = 8, 1
 PREEMPTED_EXIT = 75  # pipelines.preemption.PREEMPTED_EXIT (not imported: this script does not start Ray)
 
@@ -107,6 +110,12 @@ class Chaos:
         self.nodes = [add_node(self.sessions, self.cluster, "node1", cpus=2)]
         self.replacing: threading.Thread | None = None
         self.out = folder / "job"
+        self.out.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(self.out)],
+                                 capture_output=True, text=True)
+        self.disk = mounted.returncode == 0  # the disk fault needs a disk of its own to fill
+        if not self.disk:
+            print(f"chaos: cannot mount a tmpfs for the job ({mounted.stderr.strip()}); disk faults are skipped")
         self.sets = {
             "train.steps": steps, "train.groups_per_step": GROUPS, "data.num_prompts": steps * GROUPS,
             "rollout.n": 8, "rollout.num_actors": 2, "rollout.num_cpus": 0.5, "reward.placement": "stage",
@@ -125,6 +134,8 @@ class Chaos:
     def close(self) -> None:
         self.log.close()
         self.sessions.stop()
+        if self.disk:
+            subprocess.run(["umount", "-l", str(self.out)], check=False)
 
     def newest_checkpoint(self, run_id: str) -> int:
         """The step of the newest committed checkpoint (folders appear whole: an atomic rename)."""
@@ -165,6 +176,40 @@ class Chaos:
         self.replacing.start()
         return f"node {node['node_id'][:8]}"
 
+    def fill_disk(self, rng: random.Random) -> tuple[str, threading.Thread | None]:
+        """Fill the job's disk to 1 MiB free with one file (another job's), removed 20-40 s later."""
+        if not self.disk:
+            return "skipped: no tmpfs", None
+        filler = self.out / "filler.bin"
+        with open(filler, "wb") as handle:
+            try:
+                handle.write(b"\0" * max(shutil.disk_usage(self.out).free - 2**20, 0))
+            except OSError:  # the job wrote meanwhile: full is what we want
+                pass
+        full_s = rng.uniform(20, 40)
+
+        def clear():
+            time.sleep(full_s)
+            filler.unlink()
+
+        thread = threading.Thread(target=clear, daemon=True)
+        thread.start()
+        return f"full for {full_s:.0f} s", thread
+
+    def second_writer(self, run_id: str) -> tuple[str, threading.Thread]:
+        """`streamrl run --resume RUN_ID` beside the live job: refused (exit 2) without touching the run."""
+        second = Driver(self.argv(resume=run_id), self.log)
+        result = {}
+
+        def wait():
+            result["code"] = second.wait(300)
+            result["refused"] = any("is being written by" in line for line in second.lines)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        thread.result = result
+        return f"driver pid {second.proc.pid}", thread
+
     def restart_mlflow(self, rng: random.Random) -> tuple[str, threading.Thread]:
         self.mlflow.stop()
         down_s = rng.uniform(5, 15)
@@ -188,6 +233,7 @@ def run(folder: Path, steps: int, seed: int, faults: int, timeout_s: float, labe
     started = time.monotonic()
     drivers = [Driver(chaos.argv(), chaos.log)]
     injected, resumes, pending, next_at, mlflow_back, failure = [], 0, None, None, None, None
+    disk_back, writers = None, []  # the filler's remover; the second writers and their outcomes
     signalled = None  # the driver sent SIGTERM last
     print(f"[{label}] {steps} steps, {faults} fault(s) (seed {seed}); log {folder / f'{label}.log'}", flush=True)
     try:
@@ -236,6 +282,9 @@ def run(folder: Path, steps: int, seed: int, faults: int, timeout_s: float, labe
             if mlflow_back is not None:
                 mlflow_back.join()
                 mlflow_back = None
+            if disk_back is not None:
+                disk_back.join()
+                disk_back = None
             kind = deck.pop()
             checkpoint_then = chaos.newest_checkpoint(drivers[0].run_id)
             if kind == "generate":
@@ -248,6 +297,11 @@ def run(folder: Path, steps: int, seed: int, faults: int, timeout_s: float, labe
                 target, mlflow_back = chaos.restart_mlflow(rng)
             elif kind == "node":
                 target = chaos.kill_node()
+            elif kind == "disk":
+                target, disk_back = chaos.fill_disk(rng)
+            elif kind == "writer":
+                target, waiter = chaos.second_writer(drivers[0].run_id)
+                writers.append(waiter)
             else:
                 os.kill(driver.proc.pid, signal.SIGTERM)
                 target, signalled = f"driver pid {driver.proc.pid}", driver
@@ -258,8 +312,13 @@ def run(folder: Path, steps: int, seed: int, faults: int, timeout_s: float, labe
         wall = time.monotonic() - started
         if mlflow_back is not None:
             mlflow_back.join()
+        for waiter in writers:
+            waiter.join()
+            if not (waiter.result.get("code") == 2 and waiter.result.get("refused")) and failure is None:
+                failure = f"a second writer was not refused: {waiter.result}"
         return {**outcome(chaos, drivers[0].run_id, steps), "wall_s": round(wall, 1), "failure": failure,
-                "faults": injected, "resumes": resumes, "restarts": sum(d.restarts for d in drivers)}
+                "faults": injected, "resumes": resumes, "restarts": sum(d.restarts for d in drivers),
+                "second_writers": [waiter.result for waiter in writers]}
     finally:
         for driver in drivers:
             if driver.poll() is None:
@@ -316,7 +375,7 @@ def outcome(chaos: Chaos, run_id: str | None, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--faults", type=int, default=12, help="faults to inject (kinds dealt in turn, shuffled)")
+    parser.add_argument("--faults", type=int, default=16, help="faults to inject (kinds dealt in turn, shuffled)")
     parser.add_argument("--steps", type=int, default=200, help="train steps of the job (8 groups of 8 each)")
     parser.add_argument("--timeout-s", type=float, default=1800, help="give up on a run after this long")
     parser.add_argument("--gap-s", default="15-35", help="seconds between a recovery and the next fault (min-max)")

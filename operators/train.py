@@ -4,7 +4,8 @@ Rows (prompt groups) arrive in any block size; each carries the `train_step` it 
 scheduled for. The operator buffers rows by step (a `map_batches` batch is never exactly
 one step) and, when step s is complete and s-1 is done, explodes the groups into
 samples, shards them evenly over the ranks, runs one optimizer step, and yields one row
-of step metrics with that step's rollouts (Parquet bytes, lineage columns included).
+of step metrics with that step's rollouts (lineage columns included): Parquet bytes in the row, or,
+given a `rollouts_dir`, a file written atomically before the row leaves and its path.
 Rank 0 publishes version s+1 to the policy store; that is what lets generation of later
 steps through the admission gate.
 
@@ -34,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from operators.batching import trained_tokens
+from operators.durable import write_atomic
 
 # `policy_version` is the oldest version that sampled a token of the group (what staleness counts),
 # `policy_version_max` the newest: they differ only under partial rollout, where `token_policy_versions`
@@ -74,6 +76,7 @@ class Train:
         dynamic_sampling: bool = False,
         critics: Sequence = (),
         mini_batches: int = 1,
+        rollouts_dir: str | None = None,
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). `checkpoints`: what writes
         resumable checkpoints between steps, or None for none; any object with `due(steps_done, last)` and
@@ -89,7 +92,14 @@ class Train:
         `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped.
         `critics`: the critic group's ranks (operators.value_worker.ValueWorker), trained each step on the
         rows' `returns` and `values` (from the Value and Advantage stages). `mini_batches`: the trainer's
-        (train.mini_batches); above 1 the ranks get equal sample counts, else equal token counts."""
+        (train.mini_batches); above 1 the ranks get equal sample counts, else equal token counts.
+        `rollouts_dir`: write each step's rollouts there (`step_NNNNNN.parquet`, atomically, before the step's
+        checkpoint and row) and put its path in the row (`rollouts_path`) and in the checkpoint's rows, so
+        they outlive a driver that dies before it hears of the step; None: the row carries the Parquet
+        bytes (`rollouts_parquet`)."""
+        self.rollouts_dir = Path(rollouts_dir) if rollouts_dir else None
+        if self.rollouts_dir is not None:
+            self.rollouts_dir.mkdir(parents=True, exist_ok=True)
         self.mini_batches = mini_batches
         self.generated_per_step = generated_per_step or groups_per_step
         self.dynamic_sampling = dynamic_sampling
@@ -223,10 +233,16 @@ class Train:
                     f"{self.nan_skips} steps had a non-finite loss (train.max_nan_skips: {self.max_nan_skips}); "
                     "stopping. Lower train.lr, check the rewards, or raise train.max_nan_skips"
                 )
+        rollouts = {"rollouts_parquet": _to_parquet(table)}
+        if self.rollouts_dir is not None:
+            path = self.rollouts_dir / f"step_{step:06d}.parquet"
+            write_atomic(path, rollouts.pop("rollouts_parquet"), what=f"the rollouts of step {step + 1}")
+            rollouts["rollouts_path"] = str(path)
         # What the checkpoint keeps of this step's row, for a driver that dies before logging it.
-        self.unsaved_rows.append({key: value.item() if isinstance(value, np.generic) else value
-                                  for key, value in metrics.items()
-                                  if isinstance(value, (int, float, bool, np.integer, np.floating))})
+        self.unsaved_rows.append({**{key: value.item() if isinstance(value, np.generic) else value
+                                     for key, value in metrics.items()
+                                     if isinstance(value, (int, float, bool, np.integer, np.floating))},
+                                  **{key: value for key, value in rollouts.items() if key == "rollouts_path"}})
         checkpoint_start = time.perf_counter()
         stopping = self.stop is not None and step + 1 < self.end_step and self.stop.requested()
         checkpoint = self._maybe_checkpoint(step + 1, force=stopping)
@@ -238,7 +254,7 @@ class Train:
         timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows),
                                "stamps": _stamps(generated)})
         return pd.DataFrame([{
-            **metrics, "timeline": timeline, "rollouts_parquet": _to_parquet(table),
+            **metrics, "timeline": timeline, **rollouts,
             "checkpoint_path": str(checkpoint) if checkpoint else None,
         }])
 

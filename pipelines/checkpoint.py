@@ -23,6 +23,7 @@ files. Checkpoints need a filesystem that every trainer rank and the Train opera
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from operators.durable import DiskFullError, folder_bytes, fsync_dir, is_disk_full, space_problem, write_json_atomic
 from operators.train import LEDGER_COLUMNS  # the Train operator writes the ledger; its columns are defined there
 
 MANIFEST = "MANIFEST.json"
@@ -47,6 +49,9 @@ RUN_FILE = "run.json"
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
 CRITIC_DIR = "critic"
+# <run>/uploaded/step_NNNNNN: an empty file the driver's MLflow writer leaves once a checkpoint's upload is
+# delivered (pipelines/lineage.py). With tracking on, pruning removes only checkpoints that have one.
+UPLOADED_DIR = "uploaded"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -64,23 +69,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as handle:
-        json.dump(payload, handle, indent=1, sort_keys=True, default=str)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -180,14 +168,14 @@ class CheckpointDir:
             entries[str(file.relative_to(tmp))] = {"size": file.stat().st_size, "sha256": _sha256(file)}
         write_json_atomic(tmp / MANIFEST, {"step": step, "files": entries})
         for folder in {p.parent for p in tmp.rglob("*")} | {tmp}:
-            _fsync_dir(folder)
+            fsync_dir(folder)
         final = self.root / step_dir_name(step)
         if final.exists():  # left by an attempt that was rolled back past this step
             stale = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, stale)
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return final
 
     def discard(self, tmp: Path) -> None:
@@ -225,14 +213,30 @@ class CheckpointDir:
             shutil.rmtree(path, ignore_errors=True)
         return partial
 
-    def prune(self, keep: int, protect: Path | None = None) -> list[Path]:
-        """Keep the newest `keep` checkpoints (0 keeps all) and `protect`."""
+    def mark_uploaded(self, step: int) -> None:
+        marker = self.root / UPLOADED_DIR / step_dir_name(step)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+    def uploaded(self, step: int) -> bool:
+        return (self.root / UPLOADED_DIR / step_dir_name(step)).exists()
+
+    def prune(self, keep: int, protect: Path | None = None, require_uploaded: bool = False) -> list[Path]:
+        """Keep the newest `keep` checkpoints (0 keeps all) and `protect`; with `require_uploaded`, also every
+        one whose MLflow upload is not delivered yet (its `checkpoint.latest` tags may point at it)."""
         if keep <= 0:
             return []
-        old = [path for _, path in self.steps()[:-keep] if path != protect]
-        for path in old:
+        old = [(step, path) for step, path in self.steps()[:-keep]
+               if path != protect and (not require_uploaded or self.uploaded(step))]
+        for step, path in old:
             shutil.rmtree(path, ignore_errors=True)
-        return old
+            (self.root / UPLOADED_DIR / step_dir_name(step)).unlink(missing_ok=True)
+        return [path for _, path in old]
+
+    def needed_bytes(self) -> int:
+        """About what the next checkpoint takes: the newest one's size and a tenth (0 before the first)."""
+        steps = self.steps()
+        return int(folder_bytes(steps[-1][1]) * 1.1) if steps else 0
 
 
 class StepCheckpoints:
@@ -250,8 +254,13 @@ class StepCheckpoints:
     rows grow like the ledger does (one small row of numbers per step against one ledger row per group)."""
 
     def __init__(self, root: str, every: int = 0, keep: int = 0, hf_export: str = "last", run_info: dict | None = None,
-                 prior_rows: list[dict] | None = None, attempt: int | None = None):
+                 prior_rows: list[dict] | None = None, attempt: int | None = None, prune_uploaded_only: bool = False,
+                 fence=None):
+        """`prune_uploaded_only`: prune only checkpoints MLflow has (tracking on: CheckpointDir.prune). `fence`:
+        the run's lease token (pipelines/run_lease.py), checked before each commit: a writer whose lease
+        another process took commits nothing."""
         self.root, self.every, self.keep, self.hf_export = str(root), every, keep, hf_export
+        self.prune_uploaded_only, self.fence = prune_uploaded_only, fence
         self.run_info = dict(run_info or {})
         self.rows = list(prior_rows or [])  # every step's row so far, oldest first
         self.attempt = attempt
@@ -272,6 +281,7 @@ class StepCheckpoints:
         import ray
 
         folder = CheckpointDir(Path(self.root))
+        self._make_room(folder, steps_done)
         tmp = folder.begin(steps_done)
         try:
             rows = self.rows_through(step_rows or [])
@@ -286,13 +296,36 @@ class StepCheckpoints:
                         + [critic.save_pretrained.remote(str(tmp / CRITIC_DIR / "model"), tokenizer=True)
                            for critic in critics])
             state = {**self.run_info, "policy_version": steps_done, "groups": len(ledger), "world_size": len(workers)}
+            if self.fence is not None:
+                self.fence.check()  # raises LeaseLost: another process writes this run now
             final = folder.commit(tmp, steps_done, state, ledger)
             self.rows = rows
-        except BaseException:
+        except BaseException as err:
             folder.discard(tmp)
+            if is_disk_full(err) and not isinstance(err, DiskFullError):  # the space freed by discarding counts
+                raise DiskFullError(err.errno, space_problem(folder.root, max(folder.needed_bytes(), 1 << 30),
+                                                             f"the checkpoint of step {steps_done}")
+                                    or f"the checkpoint of step {steps_done}: {err}") from None
             raise
-        folder.prune(self.keep, protect=final)
+        folder.prune(self.keep, protect=final, require_uploaded=self.prune_uploaded_only)
         return final
+
+    def _make_room(self, folder: CheckpointDir, steps_done: int) -> None:
+        """Check there is room for the next checkpoint (the newest one's size) before writing it. Short of
+        room, prune down to `keep` - 1 first (normally the oldest goes after the commit, so `keep` + 1 are on
+        disk while one is written); still short, DiskFullError saying what is needed."""
+        needed = folder.needed_bytes()
+        what = f"the checkpoint of step {steps_done}"
+        if not needed or space_problem(folder.root, needed, what) is None:
+            return
+        if self.keep > 1:
+            pruned = folder.prune(self.keep - 1, require_uploaded=self.prune_uploaded_only)
+            if pruned:
+                print(f"streamrl: low on disk at {folder.root}: removed {', '.join(p.name for p in pruned)} "
+                      f"before writing step {steps_done}'s checkpoint, not after (train.checkpoint_keep {self.keep})")
+        problem = space_problem(folder.root, needed, what)
+        if problem:
+            raise DiskFullError(errno.ENOSPC, problem)
 
 
 # A run id as MLflow makes and accepts them (its validation uses this pattern, in a private module): a letter or

@@ -5,10 +5,12 @@
     streamrl submit CONFIG --address http://HEAD:8265 [--set ...]   (to a Ray cluster)
     streamrl lineage RUN_ID [--step N] [--output-dir DIR] | --checkpoint PATH   [--json]
     streamrl eval CHECKPOINT | RUN_ID [--step N] [--data FILE] [--reward NAME ...] [--set ...]
+    streamrl sync CONFIG RUN_ID|latest [--set ...]   (deliver records MLflow did not get before the job ended)
 
 Exit codes: 0 done, 1 the job failed (the command that resumes it is printed), 2 the config
 or input is invalid or the cluster cannot take the job (nothing was started), 75 stopped on
-SIGTERM after a checkpoint (train.on_preempt; resumable, the command is printed), 130 interrupted.
+SIGTERM after a checkpoint (train.on_preempt; resumable, the command is printed), 130 interrupted;
+`sync`: 1 when MLflow stopped answering (run it again).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("run", "run a job"), ("validate", "check a config and print it resolved"),
         ("submit", "submit a job to a running Ray cluster and follow it"),
+        ("sync", "deliver to MLflow what a run could not before it ended (an outage at its end)"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("config", help="YAML config, e.g. configs/tiny_grpo.yaml")
@@ -39,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         help="continue a run from its newest checkpoint, in the same MLflow run ('latest': the newest run "
         "under the config's output_dir)",
     )
+    commands.choices["sync"].add_argument("run", metavar="RUN_ID|latest", help="the run ('latest': the newest "
+                                          "run under the config's output_dir)")
     lineage = commands.add_parser("lineage", help="what produced a checkpoint: steps, groups, policy versions, prompts")
     lineage.add_argument("run_id", nargs="?", help="the run (its newest checkpoint)")
     lineage.add_argument("--step", type=int, help="list every group trained at this step")
@@ -118,6 +123,20 @@ def _eval(args) -> int:
     return 0
 
 
+def _sync(args, cfg) -> int:
+    from pipelines.sync import SyncFailed, sync_run
+
+    try:
+        sync_run(cfg, args.run)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except SyncFailed as err:
+        print(f"streamrl: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run(args, cfg) -> int:
     from pipelines.grpo import JobFailed, run_job
     from pipelines.resume import resume_command
@@ -176,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_CONFIG
         print(cfg.model_dump_json(indent=2))
         return 0
+    if args.command == "sync":
+        return _sync(args, cfg)
     return _run(args, cfg)
 
 

@@ -749,12 +749,18 @@ class TrainConfig(_Section):
     )
     checkpoint_keep: int = Field(
         2, ge=0, description="Keep the newest this many checkpoints of a run on disk (0: all); older ones are "
-        "deleted once a newer one is complete."
+        "deleted once a newer one is complete and, with tracking on, once MLflow has them (an outage keeps "
+        "them until their upload is delivered). Short of disk for the next one, the oldest goes first."
     )
     checkpoint_hf_export: Literal["every", "last"] = Field(
         "every", description="Which checkpoints also hold the policy as a Hugging Face folder (config, weights, "
         "tokenizer) that from_pretrained, vLLM and `streamrl eval` load: every one, or only the last (saves the "
         "disk of one copy of the weights per checkpoint on large models)."
+    )
+    disk_full_wait_s: float = Field(
+        300.0, ge=0, description="When a checkpoint or rollouts file finds the disk full, wait up to this "
+        "long for room (the newest checkpoint's size, said at the time), then restart from the last checkpoint "
+        "(counts as a restart); no room by then: the job fails with the command that resumes it."
     )
     max_restarts: int = Field(
         1, ge=0, description="When an actor the job cannot do without dies (a trainer rank, the Train "

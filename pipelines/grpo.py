@@ -33,6 +33,7 @@ from ray.data import ActorPoolStrategy
 from ray.data.context import DEFAULT_TARGET_MAX_BLOCK_SIZE
 
 from operators.advantage import Advantage
+from operators.durable import MIB, free_bytes, space_problem
 from operators.generate import Generate
 from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
@@ -55,8 +56,10 @@ from pipelines.preemption import Preempted, Preemption
 from pipelines.progress import Progress
 from pipelines.resources import DAG_HELPER_CPUS, stage_options
 from pipelines.resume import (
-    AttemptFailed, check_can_resume, describe_failure, is_process_death, resolve_run, run_file_info,
+    AttemptFailed, check_can_resume, describe_failure, is_disk_full_failure, is_process_death, resolve_run,
+    run_file_info,
 )
+from pipelines.run_lease import LeaseHeld, RunLease
 from pipelines.step_log import EvalRows, StepLog, write_dropped
 from pipelines.timeline import overlap_report
 from pipelines.trainer_group import (
@@ -392,13 +395,19 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     digest = dataset_digest(prompts)
     held_out = load_eval_prompts(cfg, model_path, echo) if cfg.eval is not None else None
     checkpoint = None
+    lease = None
     if resume is not None:
         run_id = resolve_run(output_dir, resume)
         run_dir = CheckpointDir.of_run(output_dir, run_id)
+        lease = take_lease(run_dir, echo)  # before the folder is touched: one writer per run
         for partial in run_dir.clean_partial():
             echo(f"streamrl: removed {partial.name}, a checkpoint a dead job had not finished writing")
         checkpoint = run_dir.latest_valid(echo)
-        check_can_resume(cfg, run_dir, checkpoint, schedule, digest)
+        try:
+            check_can_resume(cfg, run_dir, checkpoint, schedule, digest)
+        except ConfigError:
+            lease.release()
+            raise
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
         tracker = (Tracker(cfg, prompts, source, resume_run_id=resume and run_id, echo=echo)
@@ -406,6 +415,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     except Exception as err:
         if resume is None:
             raise
+        lease.release()
         raise ConfigError([("--resume", f"cannot reopen MLflow run {run_id} at {cfg.tracking_uri()} "
                                         f"({describe_failure(err)}); check tracking.uri and tracking.experiment, "
                                         "or set tracking.enabled: false to resume without MLflow")]) from None
@@ -413,6 +423,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         run_id = tracker.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         run_dir = CheckpointDir.of_run(output_dir, run_id)
         run_dir.write_run_file(run_file_info(cfg, run_id, digest, time.time(), next_run_sequence(output_dir)))
+        lease = take_lease(run_dir, echo)
     start = checkpoint.step if checkpoint else 0
     echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
          f"max_staleness={cfg.train.max_staleness}, model {model_path}")
@@ -426,9 +437,10 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         tracker.log_dataset(held_out[0], held_out[1], "eval")
     rows, status, restarts, placement, loads = [], "FAILED", 0, [], []
     # Step rows and evaluations reach MLflow once a checkpoint covers them (pipelines/step_log.py).
-    steps = StepLog(tracker, committed=start, attempt=run_dir.next_attempt())
+    steps = StepLog(tracker, committed=start, attempt=run_dir.next_attempt(),
+                    retrained_dir=output_dir / "retrained" / run_id, echo=echo)
     tracker.set_tags({"attempts": steps.attempt})
-    if checkpoint is not None:  # a resume: steps the dead driver had not logged when its checkpoint was written
+    if resume is not None:  # steps the dead driver had not logged when its checkpoint was written
         _say_backfilled(steps.backfill(checkpoint, steps.attempt - 1, tracker.train_steps_logged()), echo)
     evaluation = EvalPlan(cfg, held_out[0] if held_out else None, model_path, tracker, output_dir / "eval" / run_id,
                           log=EvalRows(steps))
@@ -444,11 +456,14 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                 known_nodes = alive_node_ids()
                 try:
                     placement = _run_attempt(attempt_cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info,
-                                             rows, progress, evaluation, loads, steps, stop)
+                                             rows, progress, evaluation, loads, steps, stop, lease)
                     break
                 except Exception as err:
-                    if not is_process_death(err) or restarts >= cfg.train.max_restarts:
+                    full = is_disk_full_failure(err)
+                    if not (is_process_death(err) or full) or restarts >= cfg.train.max_restarts:
                         raise
+                    if full:  # a full disk may clear (another job's files): wait for room, then retry
+                        wait_for_space(run_dir, cfg.train.disk_full_wait_s, echo, err)
                     restarts += 1
                     if confirm_lost_nodes(known_nodes, echo):  # re-plan on the nodes left, or wait for some
                         attempt_cfg = replan(cfg, echo)
@@ -506,6 +521,9 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
         preemption.disarm()
         _drop_uncommitted(steps, run_dir, output_dir / "dropped" / run_id, tracker, echo)
         tracker.close(status, timeout_s=preemption.remaining_s() if preemption.requested_at is not None else None)
+        # what the Train operator kept past checkpoint_keep while its upload was on the way, now delivered
+        run_dir.prune(cfg.train.checkpoint_keep, require_uploaded=cfg.tracking.enabled)
+        lease.release()
     echo(f"streamrl: done; checkpoint {final.path if final else None}; MLflow run {tracker.run_id}")
     return JobResult(tracker.run_id, pd.DataFrame(rows), final.path if final else None, model_path, placement,
                      output_dir, resume_id=run_id, eval_metrics=evaluation.table(), weight_updates=pd.DataFrame(loads))
@@ -568,6 +586,32 @@ def _drop_uncommitted(steps: StepLog, run_dir: CheckpointDir, folder: Path, trac
              f"dropped/attempt_{steps.attempt}.jsonl")
 
 
+def take_lease(run_dir: CheckpointDir, echo) -> RunLease:
+    """The run's lease (pipelines/run_lease.py); ConfigError when another live process writes the run."""
+    try:
+        return RunLease(run_dir.root, echo=echo).acquire()
+    except LeaseHeld as err:
+        raise ConfigError([("--resume", str(err))]) from None
+
+
+def wait_for_space(run_dir: CheckpointDir, wait_s: float, echo, err: BaseException) -> None:
+    """After an attempt failed on a full disk: wait up to `wait_s` for room for a checkpoint (the newest
+    one's size), saying what is needed; raise `err` again if it does not come."""
+    needed = max(run_dir.needed_bytes(), MIB)
+    problem = space_problem(run_dir.root, needed, "the next checkpoint")
+    if problem is None:
+        return
+    echo(f"streamrl: disk full: {problem}; waiting up to {wait_s:g}s (train.disk_full_wait_s) for room, then "
+         "restarting from the last checkpoint")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(min(2.0, max(deadline - time.monotonic(), 0)))
+        if space_problem(run_dir.root, needed, "the next checkpoint") is None:
+            echo(f"streamrl: {free_bytes(run_dir.root) / MIB:,.0f} MiB free at {run_dir.root} again")
+            return
+    raise err
+
+
 def _resume_step(run_dir: CheckpointDir) -> int:
     checkpoint = run_dir.latest_valid(lambda _: None, hashes=False)
     return checkpoint.step if checkpoint else 0
@@ -612,7 +656,7 @@ class EvalPlan:
 
 
 def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_info, rows, progress,
-                 evaluation: EvalPlan, loads: list[dict], steps: StepLog, stop=None) -> list[dict]:
+                 evaluation: EvalPlan, loads: list[dict], steps: StepLog, stop=None, lease=None) -> list[dict]:
     """One try: a fresh policy store, trainer group and DAG (and evaluator), from `checkpoint`
     (None: step 0). Returns where the trainer ranks ran."""
     first = checkpoint.step if checkpoint else 0
@@ -640,7 +684,12 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                                         keep=cfg.train.checkpoint_keep, hf_export=cfg.train.checkpoint_hf_export,
                                         run_info=run_info, attempt=steps.attempt,
                                         prior_rows=[row for row in checkpoint.step_rows()
-                                                    if int(row["step"]) < first] if checkpoint else None),
+                                                    if int(row["step"]) < first] if checkpoint else None,
+                                        prune_uploaded_only=cfg.tracking.enabled,
+                                        fence=lease.fence if lease is not None else None),
+            # each attempt its own folder: a step trained again must not replace a file still to be uploaded
+            rollouts_dir=(str(Path(cfg.output_dir).resolve() / "rollouts" / run_dir.root.name / f"attempt_{steps.attempt}")
+                          if cfg.tracking.enabled and cfg.tracking.log_rollouts else None),
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
             max_nan_skips=cfg.train.max_nan_skips, stop=stop,
         )
@@ -650,6 +699,8 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
         watch = NodeWatch(cfg, placement, progress.echo).start()  # ends the attempt if a rank's node is lost
         try:
             for row in iter_steps(ds):
+                if lease is not None:
+                    lease.check()  # another process took the run: stop before logging anything more
                 row = {**row, "attempt": steps.attempt}
                 steps.hold(row, int(row["step"]) + 1)
                 progress.update(row)
@@ -661,7 +712,7 @@ def _run_attempt(cfg, schedule, model_path, tracker, checkpoint, run_dir, run_in
                 if row.get("nonfinite_skipped"):
                     progress.echo(f"streamrl: step {int(row['step']) + 1}: the loss was not finite; step skipped, "
                                   "weights unchanged (train.nan_policy: skip)")
-                rows.append({k: v for k, v in row.items() if k != "rollouts_parquet"})
+                rows.append({k: v for k, v in row.items() if k not in ("rollouts_parquet", "rollouts_path")})
                 if evaluator is not None:
                     evaluator.poll()
                 if row.get("stopped"):  # a graceful stop: this step is trained and checkpointed

@@ -18,8 +18,13 @@ doubling to 30 s) until it goes through. The driver loop never waits on MLflow. 
 keep their own step and wall-clock time, so late delivery changes nothing in the run; the
 server drops a metric it already has (same key, step, time and value), so delivering a
 line twice (a crash between delivery and the counter update) is harmless. What a job
-could not deliver before it ended is delivered by `streamrl run CONFIG --resume RUN_ID`
+could not deliver before it ended (its end status included: the spool's last record) is
+delivered by `streamrl sync CONFIG RUN_ID` (pipelines/sync.py), or by a resume
 (`Tracker(..., resume_run_id=...)`), which replays the spool's undelivered tail first.
+
+A full disk does not stop the job either: a record the spool cannot take is held in memory
+until delivered (said once). Should the driver die before that, the metric rows are still in
+the checkpoints (`steps.jsonl`), which a resume logs again; the rollouts files are on disk.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from operators.durable import is_disk_full
 from pipelines.config import BUILTIN_DATASET_PREFIX, JobConfig, flatten
 
 PACKAGES = ("torch", "ray", "deepspeed", "mlflow", "transformers", "pyarrow", "pydantic", "streamrl")
-NON_METRIC_COLUMNS = {"step", "rollouts_parquet", "stopped"}  # stopped: the last step of a graceful stop
+NON_METRIC_COLUMNS = {"step", "rollouts_parquet", "rollouts_path", "stopped"}  # stopped: the last step of a graceful stop
 CODE_VERSION_ENV = "STREAMRL_CODE_VERSION"
 # The line a job prints when its run starts; `streamrl submit` finds it in the job's logs.
 RUN_ANNOUNCEMENT = re.compile(r"^streamrl: MLflow run (?P<run_id>\w+) (?P<url>\S+)", re.MULTILINE)
@@ -260,9 +266,6 @@ class Tracker:
             run = client.create_run(experiment_id, tags=resolve_tags(user_tags), run_name=cfg.tracking.run_name)
         self.run = run
         self.run_id = run_id = run.info.run_id
-        # Per run: a spooled artifact is uploaded from its path later, so another run in the same
-        # output_dir must not overwrite the file before it is delivered.
-        self.rollouts_dir = self.output_dir / "rollouts" / run_id
         self.resumed = bool(resume_run_id)
 
         params = {key: str(value)[:MAX_PARAM_CHARS] for key, value in flatten(cfg).items()}
@@ -287,18 +290,26 @@ class Tracker:
         # From here on, every write goes through the spool and the writer thread.
         self.spool = Spool(self.output_dir / SPOOL_FOLDER, run_id)
         self.spool_path = self.spool.path
+        self.delivery = Delivery(client, run_id, self.tracking_uri, self.spool_path, self._say)
         ops, delivered = self.spool.load()
-        self._queue = collections.deque(ops[delivered:])  # undelivered, in spool order
-        self._appended, self._delivered = len(ops), delivered
+        # (record, whether it is a spool line): undelivered, in order; a record the spool could not take
+        # (a full disk) is delivered all the same, and does not move the spool's delivered counter.
+        self._queue = collections.deque((op, True) for op in ops[delivered:])
+        self._appended, self._delivered, self._spool_delivered = len(ops), delivered, delivered
+        self._memory_only = 0  # records held in memory only (the spool's disk was full)
         self._cond = threading.Condition()
         self._stop = self._poke = self._closed = False
         self._outage: dict | None = None  # since when, how many delivered then
-        self.refused = 0  # records the server rejected outright (kept in the spool, not retried)
         if self._queue:
             self._say(f"streamrl: resuming MLflow run {run_id}; delivering {len(self._queue)} records "
                       f"left undelivered in {self.spool_path}")
         self._writer = threading.Thread(target=self._write_loop, name=f"mlflow-writer-{run_id[:8]}", daemon=True)
         self._writer.start()
+
+    @property
+    def refused(self) -> int:
+        """Records the server rejected outright (kept in the spool, not retried)."""
+        return self.delivery.refused
 
     def metric_steps(self, key: str) -> set[int]:
         """Steps at which the run already has metric `key` (a resumed run asks; none if MLflow cannot say)."""
@@ -344,11 +355,8 @@ class Tracker:
         }
         if metrics:
             self._enqueue({"op": "metrics", "step": step, "timestamp": int(time.time() * 1000), "metrics": metrics})
-        if self.log_rollouts and row.get("rollouts_parquet") is not None:
-            self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-            path = self.rollouts_dir / f"step_{step:06d}.parquet"
-            path.write_bytes(row["rollouts_parquet"])
-            self.log_artifact(path, "rollouts")
+        if self.log_rollouts and row.get("rollouts_path"):  # written by the Train operator, atomically
+            self.log_artifact(row["rollouts_path"], "rollouts")
 
     def log_artifact(self, file: Path | str, artifact_path: str | None = None) -> None:
         """Upload a local file; it must stay where it is until delivered (see `pending`)."""
@@ -376,6 +384,8 @@ class Tracker:
         self.set_tags({
             "checkpoint.latest": artifact_path, "checkpoint.latest_step": str(step), "checkpoint.latest_path": str(path),
         })
+        # Delivered after its files: from then on the Train operator may prune it (CheckpointDir.prune).
+        self._enqueue({"op": "uploaded", "path": str(path)})
         return artifact_path
 
     def log_model(self, record: dict) -> None:
@@ -403,21 +413,18 @@ class Tracker:
         on the tracking server; what is not delivered stays in the spool for a resume."""
         if self._closed:
             return
-        self._closed = True
         started = time.monotonic()
+        self._enqueue({"op": "end", "status": status})  # the run's end, delivered last like any record
+        self._closed = True
         drained = self.flush(self.flush_timeout_s if timeout_s is None else min(self.flush_timeout_s, timeout_s))
         self._stop_writer()
         if not drained:
             self._say(
                 f"streamrl: {self.pending} MLflow records still undelivered after "
-                f"{time.monotonic() - started:.0f}s (tracking.flush_timeout_s); they are kept in {self.spool_path}; "
-                f"`streamrl run CONFIG --resume {self.run_id}` will deliver them"
+                f"{time.monotonic() - started:.0f}s (tracking.flush_timeout_s), the run's end ({status}) "
+                f"among them; they are kept in {self.spool_path}; `streamrl sync CONFIG {self.run_id}` will "
+                "deliver them"
             )
-        try:
-            self.client.set_terminated(self.run_id, status)
-        except Exception as err:  # noqa: BLE001 - a down server must not fail a finished job
-            self._say(f"streamrl: could not mark MLflow run {self.run_id} {status} ({_short_error(err)}); "
-                      f"`streamrl run CONFIG --resume {self.run_id}` will re-open and end it")
 
     # -- the spool and the writer thread --------------------------------------------------------
 
@@ -430,8 +437,19 @@ class Tracker:
 
     def _enqueue(self, op: dict) -> None:
         with self._cond:
-            self.spool.append(op)  # under the lock: spool line order is delivery order
-            self._queue.append(op)
+            try:
+                self.spool.append(op)  # under the lock: spool line order is delivery order
+                spooled = True
+            except OSError as err:
+                if not is_disk_full(err):
+                    raise
+                spooled = False
+                self._memory_only += 1
+                if self._memory_only == 1:
+                    self._say(f"streamrl: the disk of {self.spool_path} is full ({err.strerror}); MLflow records are "
+                              "held in memory until delivered (the checkpoints keep each step's metrics for a "
+                              "resume); training continues")
+            self._queue.append((op, spooled))
             self._appended += 1
             self._cond.notify_all()
 
@@ -453,13 +471,13 @@ class Tracker:
                 self._cond.wait_for(lambda: self._queue or self._stop)
                 if self._stop:
                     return
-                op = self._queue[0]
+                op, spooled = self._queue[0]
                 self._poke = False
             try:
-                self._deliver(op)
+                self.delivery.deliver(op, live=not self._closed)
             except Exception as err:  # noqa: BLE001 - anything else is an outage: keep the op, retry
                 if _refused(err):
-                    self.refused += 1
+                    self.delivery.refused += 1
                     self._say(f"streamrl: MLflow refused a record ({_short_error(err)}); skipped, it stays in "
                               f"{self.spool_path}: {_describe(op)}")
                 else:
@@ -480,8 +498,9 @@ class Tracker:
             with self._cond:
                 self._queue.popleft()
                 self._delivered += 1
+                self._spool_delivered += spooled
                 try:
-                    self.spool.mark_delivered(self._delivered)
+                    self.spool.mark_delivered(self._spool_delivered)
                 except OSError:
                     pass  # the counter only saves a resume from re-sending; delivery itself succeeded
                 if self._outage is not None and not self._queue:
@@ -491,7 +510,18 @@ class Tracker:
             if recovered is not None:
                 self._say(f"streamrl: MLflow reachable again; delivered {recovered} buffered records")
 
-    def _deliver(self, op: dict) -> None:
+
+class Delivery:
+    """Sends one spool record to MLflow (the Tracker's writer thread, `streamrl sync`). Raises on an
+    outage (the caller retries); a record that cannot succeed is counted in `refused` and skipped."""
+
+    def __init__(self, client, run_id: str, tracking_uri: str, spool_path: Path, say: Callable[[str], None]):
+        self.client, self.run_id, self.tracking_uri, self.spool_path, self.say = client, run_id, tracking_uri, spool_path, say
+        self.refused = 0
+
+    def deliver(self, op: dict, live: bool = False) -> None:
+        """`live`: a job is training the run now, so an `end` record (an earlier process's, replayed by a
+        resume) is not delivered: it would end the run the job is training."""
         from mlflow.entities import Metric, RunTag
 
         kind = op["op"]
@@ -508,33 +538,43 @@ class Tracker:
             if not os.path.exists(op["path"]):
                 # Deleted before it could be sent (e.g. a replay after the folder was cleaned up).
                 self.refused += 1
-                self._say(f"streamrl: {op['path']} no longer exists; its MLflow upload is skipped")
+                self.say(f"streamrl: {op['path']} no longer exists; its MLflow upload is skipped")
                 return
             upload = self.client.log_artifact if kind == "artifact" else self.client.log_artifacts
             upload(self.run_id, op["path"], op.get("artifact_path"))
+        elif kind == "uploaded":  # local: the checkpoint's files are in MLflow, so it may be pruned now
+            from pipelines.checkpoint import STEP_DIR, CheckpointDir
+
+            path = Path(op["path"])
+            if path.is_dir() and (match := STEP_DIR.match(path.name)):
+                CheckpointDir(path.parent).mark_uploaded(int(match.group(1)))
+        elif kind == "end":
+            if not live:
+                self.client.set_terminated(self.run_id, op["status"])
         elif kind == "model":
             self._deliver_model(op)
         else:  # written by another version of streamrl: retrying cannot help
             self.refused += 1
-            self._say(f"streamrl: unknown record in {self.spool_path} skipped: {op!r}")
+            self.say(f"streamrl: unknown record in {self.spool_path} skipped: {op!r}")
 
     def _deliver_model(self, op: dict) -> None:
+        import mlflow
         from mlflow.entities import RunTag
 
         from pipelines import policy_model
 
         if not os.path.isdir(op["path"]):
             self.refused += 1
-            self._say(f"streamrl: {op['path']} no longer exists; its MLflow model is not logged")
+            self.say(f"streamrl: {op['path']} no longer exists; its MLflow model is not logged")
             return
-        self.mlflow.set_tracking_uri(self.tracking_uri)  # MLflow's model logging uses the process's URI
+        mlflow.set_tracking_uri(self.tracking_uri)  # MLflow's model logging uses the process's URI
         model = policy_model.deliver(self.client, self.run_id, op)
         self.client.log_batch(self.run_id, tags=[
             RunTag("model.latest_id", model.model_id), RunTag("model.latest_uri", model.model_uri),
             RunTag("model.latest_step", str(op["step"])),
         ])
-        self._say(f"streamrl: policy of step {op['step']} logged as MLflow model {model.model_uri} "
-                  f"(mlflow.transformers.load_model loads it)")
+        self.say(f"streamrl: policy of step {op['step']} logged as MLflow model {model.model_uri} "
+                 f"(mlflow.transformers.load_model loads it)")
 
 
 class NullTracker:

@@ -22,7 +22,7 @@ from pipelines.config import ConfigError, JobConfig, flatten
 # Fields a resumed run may change: where and how it runs, not what it learns.
 MAY_CHANGE = (
     "tracking.", "ray.", "output_dir", "train.steps", "train.checkpoint_every", "train.checkpoint_keep",
-    "train.max_restarts", "train.node_wait_s", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
+    "train.max_restarts", "train.node_wait_s", "train.disk_full_wait_s", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
     "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.replace_wait_s", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",
     "reward.placement", "reward.timeout_s", "data.invalid_prompts", "train.zero3_persistence_threshold",
@@ -46,23 +46,23 @@ _PROCESS_DEATHS = (
 _PEER_DEATHS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def resolve_run(output_dir: Path, resume: str) -> str:
-    """The run id `--resume` names: itself, or the newest run under `output_dir` for 'latest'."""
+def resolve_run(output_dir: Path, resume: str, field: str = "--resume") -> str:
+    """The run id `--resume` (or `field`) names: itself, or the newest run under `output_dir` for 'latest'."""
     if resume != "latest":
         try:
-            checked_run_id(resume, "--resume")
+            checked_run_id(resume, field)
         except CheckpointError as err:
-            raise ConfigError([("--resume", str(err).removeprefix("--resume: "))]) from None
+            raise ConfigError([(field, str(err).removeprefix(f"{field}: "))]) from None
     runs = find_run_dirs(output_dir)
     if resume == "latest":
         if not runs:
-            raise ConfigError([("--resume", f"no run to resume under {Path(output_dir) / 'checkpoints'}; "
-                                "start one without --resume (or pass the output_dir the run used)")])
+            raise ConfigError([(field, f"no run under {Path(output_dir) / 'checkpoints'}; pass the output_dir "
+                                       "the run used" + (" (or start one without --resume)" if field == "--resume" else ""))])
         return runs[-1].name
     if not (Path(output_dir) / "checkpoints" / resume).is_dir():
         known = ", ".join(p.name for p in runs[-5:]) or "none"
-        raise ConfigError([("--resume", f"run {resume!r} has no folder under {Path(output_dir) / 'checkpoints'} "
-                            f"(runs there: {known}); check the id and output_dir, or use --resume latest")])
+        raise ConfigError([(field, f"run {resume!r} has no folder under {Path(output_dir) / 'checkpoints'} "
+                                   f"(runs there: {known}); check the id and output_dir, or use 'latest'")])
     return resume
 
 
@@ -133,6 +133,13 @@ class AttemptFailed(RuntimeError):
     @classmethod
     def from_exception(cls, err: BaseException) -> "AttemptFailed":
         return cls(describe_failure(err), "".join(traceback.format_exception(err)), is_process_death(err))
+
+
+def is_disk_full_failure(err: BaseException) -> bool:
+    """True when an attempt ended on a full disk (operators.durable.DiskFullError, raised in the Train actor:
+    Ray Data passes it on as text), which waiting for room and restarting can get past."""
+    text = err.details if isinstance(err, AttemptFailed) else "".join(traceback.format_exception(err))
+    return "DiskFullError" in text
 
 
 def describe_failure(err: BaseException) -> str:

@@ -11,6 +11,11 @@ lags by at most `train.checkpoint_every` steps (the last step always gets a chec
 
 Every step row also carries `attempt`: which try of the run trained it (1, then one more per
 restart and per resume; the run's tag `attempts` holds the count).
+
+A step is logged once even when it is trained twice after a checkpoint had covered it: a resume
+that falls back past a damaged newest checkpoint trains steps whose rows MLflow already has. Those
+keep their first values in the metric history (MLflow cannot replace them); the retrained rows go to
+the run's artifact `retrained/attempt_<n>.jsonl`, and the job says so.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ class StepLog:
     """Holds rows until `commit(step)` says a checkpoint of `step` steps is written, then logs them
     with `tracker.log_step` (and their artifacts with `tracker.log_artifact`), in the order held."""
 
-    def __init__(self, tracker, committed: int = 0, attempt: int = 1):
-        self.tracker = tracker
+    def __init__(self, tracker, committed: int = 0, attempt: int = 1, retrained_dir=None, echo=None):
+        """`retrained_dir`: where rows of steps logged before are kept (write_dropped), `echo` says so."""
+        self.tracker, self.retrained_dir, self.echo = tracker, retrained_dir, echo
+        self.retrained: list[dict] = []  # rows of steps trained again after they were logged
         self.committed = committed  # steps covered by the newest checkpoint
         self.attempt = attempt  # the try of the run now training (the caller counts them)
         self.held: list[_Held] = []
@@ -57,13 +64,28 @@ class StepLog:
         self.committed = max(self.committed, step)
         ready = [held for held in self.held if held.needs <= self.committed]
         self.held = [held for held in self.held if held.needs > self.committed]
+        again = [held.row for held in ready if held.train and int(held.row["step"]) in self.logged]
         for held in ready:
+            if held.train and int(held.row["step"]) in self.logged:
+                continue  # logged by an earlier attempt: its values stay, this row goes to `retrained`
             self.tracker.log_step(held.row)
             if held.train:
                 self.logged.add(int(held.row["step"]))
             for path, artifact_path in held.artifacts:
                 self.tracker.log_artifact(path, artifact_path)
-        return len(ready)
+        if again:
+            self._keep_retrained(again)
+        return len(ready) - len(again)
+
+    def _keep_retrained(self, rows: list[dict]) -> None:
+        self.retrained += rows
+        if self.retrained_dir is not None:  # one file per attempt, rewritten whole
+            mine = [row for row in self.retrained if row.get("attempt", self.attempt) == self.attempt]
+            write_dropped(mine, self.retrained_dir, self.attempt, self.tracker, "retrained")
+        if self.echo is not None:
+            self.echo(f"streamrl: step(s) {', '.join(str(int(row['step']) + 1) for row in rows)} were logged to MLflow "
+                      "by an earlier attempt (its newer checkpoint was damaged, so they were trained again); "
+                      f"MLflow keeps those values, this attempt's rows are the artifact retrained/attempt_{self.attempt}.jsonl")
 
     def drop(self, step: int) -> list[dict]:
         """The attempt ends, and the next (a restart, or a resume) goes back to the checkpoint of `step`
@@ -93,10 +115,10 @@ class StepLog:
         return [int(row["step"]) for row in rows]
 
 
-def write_dropped(rows: list[dict], folder, attempt: int, tracker) -> str | None:
+def write_dropped(rows: list[dict], folder, attempt: int, tracker, artifact_path: str = "dropped") -> str | None:
     """Keep what an attempt trained past its last checkpoint for diagnosis (the loss before a failure,
     say) without putting it into the metric history: a JSON-lines file, logged as the run's artifact
-    `dropped/attempt_<n>.jsonl`. Returns its path (None when nothing was dropped)."""
+    `<artifact_path>/attempt_<n>.jsonl`. Returns its path (None when nothing was dropped)."""
     import json
     import math
     from pathlib import Path
@@ -114,7 +136,7 @@ def write_dropped(rows: list[dict], folder, attempt: int, tracker) -> str | None
 
     path.write_text("".join(json.dumps({key: plain(value) for key, value in row.items()
                                         if key not in ("rollouts_parquet", "timeline")}) + "\n" for row in rows))
-    tracker.log_artifact(path, "dropped")
+    tracker.log_artifact(path, artifact_path)
     return str(path)
 
 

@@ -129,3 +129,21 @@ def test_a_restart_logs_the_rows_of_every_checkpoint_the_driver_had_not_heard_of
     # A restart later in the resumed process: nothing the first process logged is logged again.
     assert log.backfill(latest, attempt=3) == []
     assert resumed.steps == [12, 13, 14]
+
+
+def test_steps_trained_again_after_a_damaged_checkpoint_are_logged_once(tmp_path):
+    """A resume falls back past a damaged newest checkpoint (step 8) to the one of step 4: steps 4-7 are
+    trained again, but MLflow has their rows already. They are not logged a second time (with other
+    values); this attempt's rows go to the artifact retrained/attempt_<n>.jsonl, and the job says so."""
+    tracker, lines = Recorder(), []
+    log = StepLog(tracker, committed=4, attempt=2, retrained_dir=tmp_path, echo=lines.append)
+    log.backfill(None, 1, logged_before=set(range(8)))  # what the run's spool and MLflow hold
+    for step in range(4, 10):
+        log.hold({"step": step, "policy_loss": 0.1 * step, "attempt": 2}, step + 1)
+    log.commit(10)
+    assert tracker.steps == [8, 9]  # only the steps nobody logged
+    assert tracker.artifacts[-1] == (str(tmp_path / "attempt_2.jsonl"), "retrained")
+    assert [json.loads(line)["step"] for line in open(tmp_path / "attempt_2.jsonl")] == [4, 5, 6, 7]
+    assert lines == ["streamrl: step(s) 5, 6, 7, 8 were logged to MLflow by an earlier attempt (its newer checkpoint "
+                     "was damaged, so they were trained again); MLflow keeps those values, this attempt's rows are "
+                     "the artifact retrained/attempt_2.jsonl"]

@@ -11,7 +11,6 @@ again on the same port and store:
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -85,11 +84,12 @@ def tracker_overrides(output_dir: Path, uri: str, **extra) -> list[str]:
 
 
 def step_row(step: int) -> dict:
-    """A train step's row as the DAG yields it: metrics and the step's rollouts as Parquet."""
-    buffer = io.BytesIO()
-    pd.DataFrame({"train_step": [step, step], "group_uid": [f"s{step}-g0", f"s{step}-g1"]}).to_parquet(buffer)
+    """A train step's row as the DAG yields it: metrics and the path of the step's rollouts Parquet, which
+    the Train operator wrote."""
+    path = Path(tempfile.mkdtemp(prefix="srl-rollouts-")) / f"step_{step:06d}.parquet"
+    pd.DataFrame({"train_step": [step, step], "group_uid": [f"s{step}-g0", f"s{step}-g1"]}).to_parquet(path)
     return {"step": step, "reward_mean": 0.1 * step, "success_rate": 0.05 * step, "policy_loss": 1.0 - 0.1 * step,
-            "staleness_max": step % 2, "rollouts_parquet": buffer.getvalue()}
+            "staleness_max": step % 2, "rollouts_path": str(path)}
 
 
 def wait_for(check, timeout_s: float, what: str):
@@ -143,8 +143,8 @@ def test_writes_return_at_once_during_an_outage_and_arrive_later_with_their_own_
     wait_for(lambda: UNREACHABLE.search("\n".join(lines)), 20, "the 'MLflow unreachable' line")
     (found,) = UNREACHABLE.finditer("\n".join(lines))  # one line per outage, not one per failed try
     assert found.group("spool") == str(spool) and found.group("why") == "Connection refused", found.group(0)
-    # 4 steps x (metrics + rollouts) + checkpoint (config.json, tokenizer/) + its tags, nothing delivered.
-    assert tracker.pending == 4 * 2 + 2 + 1
+    # 4 steps x (metrics + rollouts) + checkpoint (config.json, tokenizer/) + its tags + its "uploaded" mark
+    assert tracker.pending == 4 * 2 + 2 + 1 + 1
     assert len(spool.read_text().splitlines()) == 2 + tracker.pending and delivered_count(spool) == 2
 
     time.sleep(1.0)
@@ -152,7 +152,7 @@ def test_writes_return_at_once_during_an_outage_and_arrive_later_with_their_own_
     server.start()
     assert tracker.flush(90), f"{tracker.pending} records still buffered after the server came back"
     assert tracker.pending == 0 and delivered_count(spool) == len(spool.read_text().splitlines())
-    assert [int(m.group("count")) for m in REACHABLE.finditer("\n".join(lines))] == [11], lines
+    assert [int(m.group("count")) for m in REACHABLE.finditer("\n".join(lines))] == [12], lines
     tracker.close()
 
     client = MlflowClient(server.uri)
@@ -187,9 +187,10 @@ def test_close_gives_up_at_the_deadline_without_raising_and_resume_delivers_the_
     assert took < 2 + 15, f"close took {took:.1f} s"  # the deadline, then one failed request to end the run
     spool = tmp_path / "out" / "mlflow_spool" / f"{tracker.run_id}.jsonl"
     (left,) = [line for line in lines if "still undelivered" in line]
-    assert left.startswith("streamrl: 2 MLflow records still undelivered after ") and f"kept in {spool}" in left
-    assert left.endswith(f"`streamrl run CONFIG --resume {tracker.run_id}` will deliver them"), left
-    assert tracker.pending == 2 and not spool.with_suffix(".delivered").exists()  # nothing was delivered
+    assert left.startswith("streamrl: 3 MLflow records still undelivered after ") and f"kept in {spool}" in left
+    assert "the run's end (FINISHED) among them" in left
+    assert left.endswith(f"`streamrl sync CONFIG {tracker.run_id}` will deliver them"), left
+    assert tracker.pending == 3 and not spool.with_suffix(".delivered").exists()  # nothing was delivered
 
     server.start()
     client = MlflowClient(server.uri)
@@ -200,6 +201,45 @@ def test_close_gives_up_at_the_deadline_without_raising_and_resume_delivers_the_
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
     assert metric_steps(client, tracker.run_id, "reward_mean") == [0]
     assert len(client.list_artifacts(tracker.run_id, "rollouts")) == 1
+
+
+def test_a_job_that_ended_during_an_outage_is_delivered_by_streamrl_sync(server, tmp_path, capsys):
+    """A finished run cannot be resumed, so `streamrl sync CONFIG RUN_ID` delivers what its job left in the
+    spool, the run's end status last."""
+    from pipelines.cli import main
+
+    overrides = tracker_overrides(tmp_path / "out", server.uri, **{"tracking.flush_timeout_s": 1})
+    cfg = load_config(None, overrides)
+    prompts, source = load_prompts(cfg.data)
+    tracker = Tracker(cfg, prompts, source, echo=lambda line: None)
+    tracker.log_step(step_row(0))
+    assert tracker.flush(30)
+    server.stop()
+    for step in (1, 2):
+        tracker.log_step(step_row(step))
+    tracker.close("FINISHED")  # 2 x (metrics + rollouts) and the run's end left in the spool
+    from pipelines.checkpoint import CheckpointDir
+
+    CheckpointDir.of_run(tmp_path / "out", tracker.run_id).write_run_file({"run_id": tracker.run_id, "sequence": 0})
+    argv = ["sync", "configs/tiny_grpo.yaml", *[part for item in overrides for part in ("--set", item)], tracker.run_id]
+    assert main(argv) == 2  # still down: said, nothing lost
+    assert f"cannot read MLflow run {tracker.run_id} at {server.uri}" in capsys.readouterr().err
+
+    server.start()
+    client = MlflowClient(server.uri)
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"streamrl: run {tracker.run_id}: delivering 5 records from " in out
+    assert f"streamrl: run {tracker.run_id}: 5 records delivered" in out
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    for key in METRICS:
+        assert metric_steps(client, tracker.run_id, key) == [0, 1, 2], key
+    assert len(client.list_artifacts(tracker.run_id, "rollouts")) == 3
+    spool = tmp_path / "out" / "mlflow_spool" / f"{tracker.run_id}.jsonl"
+    assert delivered_count(spool) == len(spool.read_text().splitlines())
+    assert main([*argv[:-1], "latest"]) == 0 and "nothing to deliver" in capsys.readouterr().out
 
 
 def test_default_sqlite_store_goes_through_the_same_spool_and_writer(tmp_path):
@@ -309,7 +349,7 @@ def test_a_crashed_job_leaves_its_records_in_the_spool_and_resume_delivers_them(
     assert run.data.params["train.lr"] != "0.5"
     assert run.data.tags["resume.count"] == "1" and run.data.tags["resume.changed_params"] == "train.lr"
     assert len(run.inputs.dataset_inputs) == 1  # same prompts: the dataset input is not repeated
-    assert delivered_count(spool) == len(spool.read_text().splitlines()) == 10
+    assert delivered_count(spool) == len(spool.read_text().splitlines()) == 11  # ... + step 4 + the run's end
 
     # A second resume, with the original settings: the counter goes on, nothing is reported changed.
     again = Tracker(load_config(None, overrides), prompts, source, resume_run_id=run_id, echo=lines.append)
