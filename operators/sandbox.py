@@ -12,8 +12,8 @@ What the child gets (see `SandboxLimits`):
   (`unshare -rn`); detected once per process and said on stderr either way.
 
 It is not a security boundary against a determined attacker: without filesystem isolation the child
-reads what the job's user can read (including /proc/<parent>/environ), and a kernel exploit escapes
-any of this. Run untrusted code in a container or gVisor.
+reads what the job's user can read (without the namespaces, /proc/<parent>/environ too: the secrets),
+and a kernel exploit escapes any of this. Run untrusted code in a container or gVisor.
 """
 
 from __future__ import annotations
