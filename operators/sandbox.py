@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -266,8 +267,6 @@ class Sandbox:
         return self.process.pid if self.process is not None and self.process.poll() is None else None
 
     def _start(self) -> None:
-        import multiprocessing.util
-
         prefix, line = isolation(self.limits.isolate_network)
         _report_once(line)
         parent_sock, child_sock = socket.socketpair()
