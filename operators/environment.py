@@ -24,7 +24,7 @@ with the error recorded (counted as `env_errors`); the job goes on.
 
 Tools are the builtin environment "tools" (`ToolEnvironment`): plain Python functions, called
 when the model's turn ends with a call in the declared format, in a sandbox child process with a
-per-call timeout (the reward sandbox's, operators/reward.py). A tool that raises, hangs or does
+per-call timeout (operators/sandbox.py, as reward functions). A tool that raises, hangs or does
 not return a string gives an error observation (counted as `tool_errors`), never a dead job.
 """
 
@@ -151,16 +151,16 @@ class EnvironmentFactory:
 # --- tools ----------------------------------------------------------------------------------------
 
 class SandboxPool:
-    """`size` sandbox children for one tool set (operators/reward.py, RewardSandbox with kind "tool"), each
+    """`size` sandbox children for one tool set (operators/sandbox.py, Sandbox of kind "tool"), each
     started on its first call, reused, and replaced after a call that timed out: up to `size` tool calls
     run at once (episodes wait for a free child), so one slow call never holds every episode."""
 
     def __init__(self, tools: Sequence[str], size: int):
         import queue
 
-        from operators.reward import RewardSandbox
+        from operators.sandbox import Sandbox
 
-        self.sandboxes = [RewardSandbox(list(tools), kind="tool") for _ in range(size)]
+        self.sandboxes = [Sandbox(list(tools), "tool") for _ in range(size)]
         self._free: queue.Queue = queue.Queue()
         for sandbox in self.sandboxes:
             self._free.put(sandbox)
@@ -168,9 +168,12 @@ class SandboxPool:
     def call(self, tool: str, arguments: str, timeout_s: float) -> tuple[str | None, str | None]:
         sandbox = self._free.get()
         try:
-            return sandbox.call(tool, [arguments], {}, timeout_s)
+            result, problem = sandbox.call(tool, [arguments], {}, timeout_s)
         finally:
             self._free.put(sandbox)
+        if problem is None and not isinstance(result, str):  # sandbox_tool_result sends strings only
+            return None, "the sandbox's reply is not a string"
+        return result, problem
 
     def close(self) -> None:
         for sandbox in self.sandboxes:
@@ -275,6 +278,14 @@ class ToolEnvironment:
         text = text[: self.max_result_chars]
         return EnvStep(observation=f"{self.result_start}{text}{self.result_end}", tool_call=f"{tool}({arguments})",
                        error=error)
+
+
+def sandbox_tool_result(fn: Callable[..., str], args: list, kwargs: dict) -> str:
+    """A tool's result in the sandbox child (operators/sandbox.py); it must be a string."""
+    result = fn(*args, **kwargs)
+    if not isinstance(result, str):
+        raise TypeError(f"tool {getattr(fn, '__name__', fn)!r} returned {type(result).__name__}, not a string")
+    return result
 
 
 def _short(tool: str) -> str:

@@ -8,8 +8,8 @@ with them (TRL's convention) and returns one float (or None) per completion:
 Builtins are registered by name; anything else is named 'package.module:function'.
 A function that raises, or returns None for a sample, never kills the job: the affected
 samples get `on_error` and are counted in the `reward_errors` column. With a timeout the
-functions run in a sandbox child process, so one that hangs costs its batch `on_error`
-(counted in `reward_timeouts`), not the job.
+functions run in a sandbox child process (operators/sandbox.py), so one that hangs or runs away
+costs its batch `on_error` (counted in `reward_timeouts` when it hung), not the job.
 
 Multi-turn rows (operators/environment.py) carry `env_rewards`, the environment's own rewards per
 episode: they are added to the functions' sum.
@@ -17,15 +17,9 @@ episode: they are added to the functions' sum.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
-import multiprocessing
-import multiprocessing.util
-import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -33,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from operators.registry import Registry
+from operators.sandbox import Sandbox, SandboxLimits
 
 if TYPE_CHECKING:
     import pandas as pd  # not imported at run time: the sandbox child starts faster without it
@@ -157,187 +152,18 @@ def score_values(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) 
     return np.array([_as_score(value) for value in values], dtype=float)
 
 
-# --- the sandbox: reward functions in a child process, killed when a call runs over -------
+def sandbox_scores(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> list[float | None]:
+    """`score_values` as the sandbox child replies it (operators/sandbox.py): JSON numbers, None for the
+    samples that failed (NaN and infinities are not JSON)."""
+    return [float(value) if np.isfinite(value) else None for value in score_values(fn, completions, kwargs)]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the parent goes away, even in the middle of a hung call (a Ray actor may be
-    SIGKILLed, which runs no cleanup): the kernel's parent-death signal on Linux, and a thread
-    that polls the parent pid everywhere."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _sandbox_main(conn, names: list[str], parent_pid: int, kind: str = "reward") -> None:
-    """The child: resolve the functions once, then answer each call. `kind` "reward": (name,
-    completions, kwargs) -> scores; "tool" (operators/environment.py): (name, args, kwargs) -> the
-    tool's result, which must be a string."""
-    _die_with_parent(parent_pid)
-    try:
-        if kind == "tool":
-            from operators.environment import resolve_tool as resolve
-        else:
-            resolve = resolve_reward_function
-        functions = {name: resolve(name) for name in names}
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            name, first, kwargs = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent closed the pipe: done
-        try:
-            if kind == "tool":
-                result = functions[name](*first, **kwargs)
-                if not isinstance(result, str):
-                    raise TypeError(f"tool {name!r} returned {type(result).__name__}, not a string")
-                reply = ("ok", result)
-            else:
-                reply = ("ok", score_values(functions[name], first, kwargs))
-        except Exception as err:  # noqa: BLE001 - reported to the parent
-            reply = ("error", f"{type(err).__name__}: {err}")
-        conn.send(reply)
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """spawn re-imports the parent's main script in the child; reward functions are imported by
-    name, so skip it (it may be a user script that starts a job, or Ray's worker script)."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-def _stop_process(process, conn) -> None:
-    """Kill the child (SIGKILL: a hung function gets no chance to block it) and reap it."""
-    try:
-        conn.close()
-    except OSError:
-        pass
-    if process.is_alive():
-        process.kill()
-    process.join(timeout=5)
-
-
-class RewardSandbox:
-    """One child process ("spawn") that runs reward functions by their names, started lazily
-    and reused across calls. `call` gives up on a call after `timeout_s`: the child is killed
-    and the next call starts a new one. The child is killed when this object is collected or
-    the process exits, and exits by itself when its parent dies."""
-
-    def __init__(self, names: Sequence[str], start_timeout_s: float = 120.0, kind: str = "reward"):
-        self.names = list(names)
-        self.kind = kind  # "reward", or "tool": the functions are tools (operators/environment.py)
-        self.start_timeout_s = start_timeout_s
-        self.process = None
-        self._conn = None
-        self._finalizer = None
-        self.starts = 0
-        # One call at a time on the pipe: Reward may be called from several threads (in a threaded
-        # generate actor, reward.placement "generate" with the in-flight engine).
-        self._lock = threading.Lock()
-        # The child is started from a thread of its own that lives as long as this object: Linux sends the
-        # parent-death signal when the *thread* that forked the child exits, and a calling thread may be
-        # short-lived (measured: children started from finished threads were SIGKILLed mid-call).
-        self._starter = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None and self.process.is_alive() else None
-
-    def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        conn, child_conn = context.Pipe(duplex=True)
-        process = context.Process(
-            target=_sandbox_main, args=(child_conn, self.names, os.getpid(), self.kind),
-            name=f"streamrl-{self.kind}-sandbox",
-        )  # not daemonic, so reward functions may start processes of their own
-        with _main_module_hidden():
-            process.start()
-        child_conn.close()
-        # Runs when this object is collected, and at exit before multiprocessing joins its children.
-        self._finalizer = multiprocessing.util.Finalize(self, _stop_process, args=(process, conn), exitpriority=10)
-        self.process, self._conn = process, conn
-        self.starts += 1
-        if not conn.poll(self.start_timeout_s):
-            self.close()
-            raise RuntimeError(f"the reward sandbox process did not start within {self.start_timeout_s:g}s")
-        try:
-            status, payload = conn.recv()
-        except (EOFError, OSError):
-            code = process.exitcode
-            self.close()
-            raise RuntimeError(f"the reward sandbox process died while starting (exit code {code})") from None
-        if status != "ready":
-            self.close()
-            raise RuntimeError(f"the {self.kind} sandbox cannot load the {self.kind} functions {self.names}: {payload}")
-
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # runs _stop_process once
-        self.process = self._conn = self._finalizer = None
-
-    def call(
-        self, name: str, completions: list[str], kwargs: dict[str, list], timeout_s: float,
-    ) -> tuple[np.ndarray | None, str | None]:
-        """(scores with NaN for failed samples, None), or (None, 'timeout'), or (None, what went wrong)
-        when the child died or could not answer."""
-        with self._lock:
-            return self._call(name, completions, kwargs, timeout_s)
-
-    def _call(
-        self, name: str, completions: list[str], kwargs: dict[str, list], timeout_s: float,
-    ) -> tuple[np.ndarray | None, str | None]:
-        if self.process is None or not self.process.is_alive():
-            self.close()
-            if self._starter is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._starter = ThreadPoolExecutor(1, thread_name_prefix="streamrl-reward-sandbox")
-            self._starter.submit(self._start).result()
-        try:
-            self._conn.send((name, completions, kwargs))
-        except (OSError, ValueError) as err:  # BrokenPipeError: the child died between calls
-            self.close()
-            return None, f"could not send the call to the sandbox process ({type(err).__name__}: {err})"
-        if not self._conn.poll(timeout_s):
-            self.close()  # SIGKILL; the next call starts a fresh child
-            return None, "timeout"
-        try:
-            status, payload = self._conn.recv()
-        except (EOFError, OSError):
-            self.process.join(timeout=1)  # reap it, for the exit code
-            code = self.process.exitcode
-            self.close()
-            return None, f"the sandbox process died (exit code {code})"
-        if status != "ok":
-            return None, payload
-        return payload, None
+def _scores_from_reply(value, size: int) -> np.ndarray:
+    """The scores in a sandbox reply, NaN for None; raises ValueError for anything else."""
+    if not isinstance(value, list) or len(value) != size or \
+            not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"the sandbox's reply is not {size} scores")
+    return np.array([np.nan if v is None else v for v in value], dtype=float)
 
 
 class Reward:
@@ -349,8 +175,8 @@ class Reward:
     `timestamps=True`, also the call's wall-clock interval `reward_start`, `reward_end` (the RL
     pipeline's, from which benchmarks/loop_latency.py measures the hops between stages).
 
-    `timeout_s` > 0 runs the functions in a sandbox child process (see `RewardSandbox`),
-    started on the first call and reused: a call (one function, the whole batch) that does not
+    `timeout_s` > 0 runs the functions in a sandbox child process (operators/sandbox.py, with
+    `limits`), started on the first call and reused: a call (one function, the whole batch) that does not
     answer within `timeout_s` has its child killed and replaced, and that function's samples
     of the batch get `on_error` (no sample-by-sample retry, which could cost n x timeout).
     The child imports the functions by name, so each must be importable ('module:function' on
@@ -360,7 +186,7 @@ class Reward:
 
     def __init__(
         self, functions: Sequence[tuple[str, float]] = (("arithmetic_exact", 1.0),), on_error: float = 0.0,
-        timeout_s: float = 0.0, timestamps: bool = False,
+        timeout_s: float = 0.0, timestamps: bool = False, limits: SandboxLimits = SandboxLimits(),
     ):
         self.timestamps = timestamps
         self.functions = [(name, float(weight), resolve_reward_function(name)) for name, weight in functions]
@@ -368,7 +194,7 @@ class Reward:
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (0: no limit), got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        self.sandbox = RewardSandbox([name for name, _, _ in self.functions]) if self.timeout_s > 0 else None
+        self.sandbox = Sandbox([name for name, _, _ in self.functions], "reward", limits) if self.timeout_s > 0 else None
 
     def close(self) -> None:
         """Stop the sandbox process now (it is also stopped when this object is collected)."""
@@ -382,7 +208,13 @@ class Reward:
         if self.sandbox is None:
             scores = score_values(fn, completions, kwargs)
         else:
-            scores, problem = self.sandbox.call(name, completions, kwargs, self.timeout_s)
+            reply, problem = self.sandbox.call(name, completions, kwargs, self.timeout_s)
+            scores = None
+            if problem is None:
+                try:
+                    scores = _scores_from_reply(reply, len(completions))
+                except ValueError as err:
+                    problem = str(err)
             if scores is None:
                 timed_out = problem == "timeout"
                 what = (f"did not answer within {self.timeout_s:g}s; killed its sandbox process" if timed_out
