@@ -22,6 +22,7 @@ SCRIPT = r"""
 import json, os, urllib.error, urllib.request
 import psutil, ray
 from pipelines.grpo import init_ray
+from pipelines.submit import check_job_server
 
 init_ray(num_cpus=2, object_store_memory_mb=200, include_dashboard=True, dashboard_host="127.0.0.1")
 
@@ -60,6 +61,7 @@ print(json.dumps({
     "auth_mode": os.environ.get("RAY_AUTH_MODE"),
     "jobs_without_token": status(jobs, {}),
     "jobs_with_token": status(jobs, {"Authorization": "Bearer " + os.environ.get("RAY_AUTH_TOKEN", "")}),
+    "submit_probe": check_job_server(jobs.removesuffix("/api/jobs/")),  # streamrl submit's probe sends the token
 }))
 ray.shutdown()
 """
@@ -99,4 +101,5 @@ def test_local_cluster_requires_its_token(local_cluster):
     assert local_cluster["auth_mode"] == "token"
     assert local_cluster["jobs_without_token"] == 401
     assert local_cluster["jobs_with_token"] == 200
+    assert local_cluster["submit_probe"] == "2.60.0"
     assert not (local_cluster["home"] / ".ray").exists()
