@@ -338,22 +338,44 @@ def init_ray(
     include_dashboard: bool = False, dashboard_host: str = "127.0.0.1",
 ) -> None:
     """Join the cluster at `address`, or the one a submitted job runs in (Ray sets RAY_ADDRESS
-    for job drivers); otherwise start a local one, its dashboard (if any) on `dashboard_host`."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster bound to loopback
+    for job drivers); otherwise start a local one bound to 127.0.0.1 with token authentication,
+    its dashboard (if any) on `dashboard_host`."""
     level = os.environ.get("STREAMRL_RAY_LOG_LEVEL", "warning")
     logging.getLogger("ray.data").setLevel(level.upper())  # Ray Data logs each dataset's progress at INFO
-    local_only = {}
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        local_only = dict(
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        # The cluster's own RAY_AUTH_MODE and token (in this environment, or the job's) decide: forcing
+        # `disabled` would fail against a cluster that enforces tokens, and is not ours to choose.
+        ray.init(address=address, logging_level=level, runtime_env={"env_vars": WORKER_ENV})
+        return
+    # Ray 2.60 turns token auth on for a new local cluster unless RAY_AUTH_MODE says otherwise; it
+    # guards the loopback ports against other users of this machine. The user's token (env, token
+    # file, `ray get-auth-token --generate`) is used if there is one; else a random one for this
+    # process, so that nothing is written to ~/.ray and concurrent jobs cannot race on that file.
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").exists()):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # Loopback only. On Linux Ray 2.60 replaces a loopback node IP by the machine's address (it expects
+    # other nodes to join) and then binds GCS, raylet, object manager, workers and agents to every
+    # interface; with the single-node switch it uses on macOS/Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)
+    # the node IP stays 127.0.0.1 and every one of them, metrics servers included, binds 127.0.0.1
+    # (tests/test_network_exposure.py). Ray read that variable when imported, so its constant is
+    # switched around this call only: other clusters this process joins are left as Ray sees them.
+    from ray._private import ray_constants
+
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            logging_level=level,
+            runtime_env={"env_vars": WORKER_ENV},
+            _node_ip_address="127.0.0.1",
             num_cpus=num_cpus, object_store_memory=object_store_memory_mb * 2**20,
             include_dashboard=include_dashboard, dashboard_host=dashboard_host,
         )
-    ray.init(
-        address=address,
-        logging_level=level,
-        runtime_env={"env_vars": WORKER_ENV},
-        **local_only,
-    )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
 
 
 @contextlib.contextmanager

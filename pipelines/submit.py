@@ -74,9 +74,16 @@ def normalise_address(address: str | None) -> str:
     return address.rstrip("/")
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as response:
+def _get(url: str, headers: dict[str, str] | None = None) -> bytes:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=PROBE_TIMEOUT_S) as response:
         return response.read()
+
+
+def _ray_auth_headers() -> dict[str, str]:
+    """The Authorization header Ray's JobSubmissionClient sends: the token when RAY_AUTH_MODE=token."""
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    return get_auth_headers_if_auth_enabled({})
 
 
 def _reason(err: Exception) -> str:
@@ -87,8 +94,14 @@ def _reason(err: Exception) -> str:
 def check_job_server(address: str) -> str:
     """Ray's version at `address`, or SubmitError saying what answers there instead."""
     try:
-        body = _get(f"{address}/api/version")
+        body = _get(f"{address}/api/version", _ray_auth_headers())
     except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise SubmitError(
+                f"--address: the job server at {address} requires Ray's token (HTTP {err.code}): set "
+                "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN, in a file named by "
+                "RAY_AUTH_TOKEN_PATH or in ~/.ray/auth_token"
+            ) from None
         raise SubmitError(
             f"--address: {address} answers HTTP {err.code} but is not a Ray job server; give the head's dashboard "
             "port (8265 by default); the head needs ray[default] installed for its job server"

@@ -198,6 +198,9 @@ def _alive_nodes(address: str) -> list:
 
 
 _COMMON = ["--block", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
+# Several nodes on one machine need Ray's multi-node mode, which binds every interface: these test
+# clusters are the exception to loopback-only, and run without token auth so that this process's clients
+# (JobSubmissionClient, the state API, `streamrl submit`) need no token.
 _ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
