@@ -155,12 +155,12 @@ class SandboxPool:
     started on its first call, reused, and replaced after a call that timed out: up to `size` tool calls
     run at once (episodes wait for a free child), so one slow call never holds every episode."""
 
-    def __init__(self, tools: Sequence[str], size: int):
+    def __init__(self, tools: Sequence[str], size: int, limits=None):
         import queue
 
-        from operators.sandbox import Sandbox
+        from operators.sandbox import Sandbox, SandboxLimits
 
-        self.sandboxes = [Sandbox(list(tools), "tool") for _ in range(size)]
+        self.sandboxes = [Sandbox(list(tools), "tool", limits or SandboxLimits()) for _ in range(size)]
         self._free: queue.Queue = queue.Queue()
         for sandbox in self.sandboxes:
             self._free.put(sandbox)
@@ -184,12 +184,12 @@ _POOLS: dict[tuple, SandboxPool] = {}  # per tool set and size, per process: sha
 _POOLS_LOCK = threading.Lock()
 
 
-def tool_sandbox(tools: Sequence[str], size: int = 4) -> SandboxPool:
-    """The process's sandbox pool for these tools."""
-    key = (tuple(tools), int(size))
+def tool_sandbox(tools: Sequence[str], size: int = 4, limits=None) -> SandboxPool:
+    """The process's sandbox pool for these tools (and limits: an operators.sandbox.SandboxLimits)."""
+    key = (tuple(tools), int(size), limits)
     with _POOLS_LOCK:
         if key not in _POOLS:
-            _POOLS[key] = SandboxPool(key[0], key[1])
+            _POOLS[key] = SandboxPool(key[0], key[1], limits)
         return _POOLS[key]
 
 
@@ -202,11 +202,13 @@ class ToolEnvironment:
     limit); a failure becomes the observation `result_start` "error: <what went wrong>" `result_end`
     (only "error" with `error_detail` False, for a vocabulary that cannot spell the details).
     `max_result_chars` cuts a long result. `sandboxes`: sandbox processes per generate actor, shared by
-    its episodes (tool calls that run at once)."""
+    its episodes (tool calls that run at once). `limits`: what each sandbox child may use
+    (operators.sandbox.SandboxLimits; a job passes its `sandbox` config's)."""
 
     def __init__(self, tools: Sequence[str] = ("calculator",), call_start: str = "[", call_end: str = "]",
                  result_start: str = "{", result_end: str = "}", separator: str = ":", timeout_s: float = 5.0,
-                 max_result_chars: int = 200, error_detail: bool = True, sandboxes: int = 4):
+                 max_result_chars: int = 200, error_detail: bool = True, sandboxes: int = 4, limits=None):
+        self.limits = limits
         if not tools:
             raise ValueError("tools: name at least one tool (a builtin such as 'calculator', or 'module:function')")
         if not call_start or not call_end:
@@ -263,7 +265,7 @@ class ToolEnvironment:
             if not isinstance(result, str):
                 return None, f"TypeError: tool {tool!r} returned {type(result).__name__}, not a string"
             return result, None
-        result, problem = tool_sandbox(self.tools, self.sandboxes).call(tool, arguments, self.timeout_s)
+        result, problem = tool_sandbox(self.tools, self.sandboxes, self.limits).call(tool, arguments, self.timeout_s)
         if problem == "timeout":
             return None, f"timeout: no answer within {self.timeout_s:g}s"
         return (result, None) if problem is None else (None, problem)

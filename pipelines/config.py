@@ -466,6 +466,38 @@ class RewardConfig(_Section):
     )
 
 
+class SandboxConfig(_Section):
+    """What the sandbox child of reward functions (reward.timeout_s > 0) and tool calls may use
+    (operators/sandbox.py). A limit of 0 is no limit."""
+
+    memory_mb: int = Field(4096, ge=0, description="Address space of a sandbox child, MiB; a function that "
+                           "allocates past it fails that call (on_error, or an error observation for a tool).")
+    cpu_seconds: int = Field(3600, ge=0, description="CPU seconds over a child's life; the child is replaced "
+                             "at half of it, so only a runaway call meets the limit.")
+    file_size_mb: int = Field(64, ge=0, description="Largest file a child may write, MiB.")
+    max_processes: int = Field(128, ge=0, description="Processes and threads of a child, where it runs in its "
+                               "own user namespace (see network); elsewhere the kernel would count every process "
+                               "of the job's user, so it is not set.")
+    max_reply_mb: float = Field(8, gt=0, description="Largest reply (scores, a tool's result) a child may send, "
+                                "MiB, as JSON; a larger one fails that call.")
+    network: bool = Field(False, description="Let the functions reach the network (say, an LLM judge's API). "
+                          "false: each child runs in its own network namespace where `unshare -rn` is permitted "
+                          "(no interface, loopback down; said once at start-up either way).")
+    pass_env: list[str] = Field(default_factory=list, description="Environment variables a child keeps beyond "
+                                "PATH, HOME, locale, TZ, PYTHONPATH and the like, e.g. [JUDGE_API_KEY]; every "
+                                "other variable (credentials) is dropped.")
+
+    def limits(self):
+        """As operators.sandbox.SandboxLimits."""
+        from operators.sandbox import SandboxLimits
+
+        mib = 2**20
+        return SandboxLimits(address_space_bytes=self.memory_mb * mib, cpu_seconds=self.cpu_seconds,
+                             file_size_bytes=self.file_size_mb * mib, max_processes=self.max_processes,
+                             max_reply_bytes=int(self.max_reply_mb * mib), isolate_network=not self.network,
+                             pass_env=tuple(self.pass_env))
+
+
 class AlgorithmConfig(_Section):
     advantage: str = Field(
         "grpo", description="Advantage estimator: grpo, grpo_no_std, dr_grpo, rloo, reinforce_pp_baseline "
@@ -962,6 +994,8 @@ class JobConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="The prompt dataset.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions.")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits and isolation of the child "
+                                   "processes reward functions and tool calls run in.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage and loss.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The DeepSpeed trainer.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow lineage.")
@@ -978,6 +1012,17 @@ class JobConfig(_Section):
         "unset: no critic)."
     )
     output_dir: str = Field("runs", description="Folder for the MLflow database, rollouts and checkpoints.")
+
+    def environment_options(self) -> dict:
+        """rollout.environment's options as its class takes them: the builtin tool environment also gets the
+        sandbox's limits (operators/environment.py)."""
+        from operators.environment import ENVIRONMENTS, ToolEnvironment
+
+        env = self.rollout.environment
+        options = dict(env.options)
+        if ":" not in env.name and env.name in ENVIRONMENTS and issubclass(ENVIRONMENTS.get(env.name), ToolEnvironment):
+            options["limits"] = self.sandbox.limits()
+        return options
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobConfig":

@@ -52,6 +52,7 @@ class EvalSettings:
     success_threshold: float
     # multi-turn episodes (rollout.environment): name, options, max_turns, max_episode_tokens; evaluated as trained
     environment: dict | None = None
+    sandbox_limits: object = None  # operators.sandbox.SandboxLimits of the reward functions' child
     chat_template: str = "auto"  # how prompts are rendered (operators/prompts.py), as in training
     system_prompt: str | None = None
 
@@ -64,7 +65,9 @@ class EvalSettings:
             seed=cfg.train.seed, prompts_per_call=ev.prompts_per_call, engine=ev.engine or cfg.rollout.engine,
             reward_functions=tuple((f.name, f.weight) for f in cfg.reward.functions), on_error=cfg.reward.on_error,
             timeout_s=cfg.reward.timeout_s, success_threshold=cfg.reward.success_threshold,
-            environment=None if cfg.rollout.environment is None else cfg.rollout.environment.model_dump(),
+            sandbox_limits=cfg.sandbox.limits(),
+            environment=None if cfg.rollout.environment is None else {**cfg.rollout.environment.model_dump(),
+                                                                      "options": cfg.environment_options()},
             **cfg.prompt_options(held_out=True),
         )
 
@@ -84,7 +87,8 @@ class EvalSettings:
         )
 
     def reward_kwargs(self) -> dict:
-        return dict(functions=list(self.reward_functions), on_error=self.on_error, timeout_s=self.timeout_s)
+        return dict(functions=list(self.reward_functions), on_error=self.on_error, timeout_s=self.timeout_s,
+                    limits=self.sandbox_limits)
 
 
 def load_eval_prompts(cfg: JobConfig, model_path: str, echo: Callable[[str], None] = print) -> tuple[pd.DataFrame, str]:

@@ -230,11 +230,11 @@ def build_rl_dataset(
     )
     if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
         env = cfg.rollout.environment
-        generate.update(environment=env.name, environment_options=dict(env.options), max_turns=env.max_turns,
+        generate.update(environment=env.name, environment_options=cfg.environment_options(), max_turns=env.max_turns,
                         max_episode_tokens=env.max_episode_tokens)
     reward = dict(
         functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
-        timeout_s=cfg.reward.timeout_s, timestamps=True,
+        timeout_s=cfg.reward.timeout_s, timestamps=True, limits=cfg.sandbox.limits(),
     )
     # reward.placement "generate": each group is scored in the generate actor that sampled it (one stage,
     # one executor hop less on the loop); "stage": a reward actor pool of its own.

@@ -21,7 +21,7 @@ from pipelines.config import ConfigError, JobConfig, flatten
 
 # Fields a resumed run may change: where and how it runs, not what it learns.
 MAY_CHANGE = (
-    "tracking.", "ray.", "output_dir", "train.steps", "train.checkpoint_every", "train.checkpoint_keep",
+    "tracking.", "sandbox.", "ray.", "output_dir", "train.steps", "train.checkpoint_every", "train.checkpoint_keep",
     "train.max_restarts", "train.node_wait_s", "train.disk_full_wait_s", "train.checkpoint_hf_export", "train.nan_policy", "train.max_nan_skips", "train.placement", "train.num_cpus",
     "train.num_gpus", "train.resources", "train.torch_threads", "rollout.num_actors", "rollout.replace_wait_s", "rollout.num_cpus",
     "rollout.num_gpus", "rollout.resources", "rollout.torch_threads", "reward.num_actors", "reward.num_cpus",

@@ -63,6 +63,25 @@ def test_secrets_in_the_environment_do_not_reach_the_child(monkeypatch):
         passed.close()
 
 
+def test_the_sandbox_section_of_a_config_sets_the_limits_a_job_passes(monkeypatch):
+    """`sandbox:` in a config reaches the reward functions' child (what grpo and eval build Reward with) and
+    the builtin tool environment's options."""
+    from pipelines.config import load_config
+
+    cfg = load_config("configs/tiny_tools.yaml", ["sandbox.pass_env=[STREAMRL_TEST_SECRET]", "sandbox.network=true",
+                                                  "sandbox.memory_mb=2048", "sandbox.max_reply_mb=1"])
+    limits = cfg.sandbox.limits()
+    assert limits == SandboxLimits(address_space_bytes=2 << 30, max_reply_bytes=1 << 20, isolate_network=False,
+                                   pass_env=("STREAMRL_TEST_SECRET",))
+    assert cfg.environment_options()["limits"] == limits
+    monkeypatch.setenv("STREAMRL_TEST_SECRET", "hunter2")
+    reward = Reward([("reward_fixtures:sees_test_secret", 1.0)], timeout_s=10, limits=limits)
+    try:
+        assert reward(batch(["1"]))["rewards"].tolist() == [[1.0]]
+    finally:
+        reward.close()
+
+
 def test_memory_past_the_limit_fails_the_call_and_the_child_serves_the_next():
     reward = Reward([("reward_fixtures:allocate_two_gib", 1.0), ("arithmetic_exact", 10.0)], on_error=-1.0,
                     timeout_s=30, limits=SandboxLimits(address_space_bytes=1 << 30))
