@@ -498,7 +498,8 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
                     write_dropped(dropped, output_dir / "dropped" / run_id, steps.attempt, tracker)
                     evaluation.forget_after(start)
                     steps.attempt = run_dir.next_attempt()
-                    echo(f"streamrl: a process died ({err}); restarting the trainer group and the DAG "
+                    echo(f"streamrl: {'the disk was full' if full else 'a process died'} ({err}); restarting the "
+                         "trainer group and the DAG "
                          f"from step {start} (restart {restarts}/{cfg.train.max_restarts}, attempt {steps.attempt}; "
                          f"{len(dropped)} step(s) trained after that checkpoint are trained again)")
                     tracker.set_tags({"restarts": restarts, "attempts": steps.attempt})

@@ -96,9 +96,20 @@ def step_prompts(checkpoint: Checkpoint, step: int) -> dict[str, str]:
 
 
 def rollouts_file(checkpoint: Checkpoint, step: int) -> Path:
-    """Where the job kept step `step`'s rollouts (tracking.log_rollouts): output_dir/rollouts/RUN_ID/."""
+    """Where the job kept step `step`'s rollouts (tracking.log_rollouts), for this checkpoint's run."""
     run_dir = checkpoint.path.parent
-    return run_dir.parent.parent / "rollouts" / run_dir.name / f"step_{step:06d}.parquet"
+    return find_rollouts(run_dir.parent.parent, run_dir.name, step)
+
+
+def find_rollouts(output_dir: Path | str, run_id: str, step: int) -> Path:
+    """Step `step`'s rollouts Parquet: output_dir/rollouts/RUN_ID/attempt_N/ of the newest attempt that trained
+    the step (a restart trains the steps after its checkpoint again: the newest is the one the later
+    checkpoints carry on from), else output_dir/rollouts/RUN_ID/ (runs written before attempts had folders)."""
+    base = Path(output_dir) / "rollouts" / run_id
+    name = f"step_{step:06d}.parquet"
+    attempts = [(int(folder.name.removeprefix("attempt_")), folder) for folder in base.glob("attempt_*")
+                if folder.name.removeprefix("attempt_").isdigit() and (folder / name).is_file()]
+    return max(attempts)[1] / name if attempts else base / name
 
 
 def step_episodes(checkpoint: Checkpoint, step: int) -> list[dict]:

@@ -154,6 +154,7 @@ class RunLease:
                                       "ttl_s": self.ttl_s, "released": released})
 
     def _heartbeat(self) -> None:
+        failing = False
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 with _locked(self.folder):
@@ -162,8 +163,14 @@ class RunLease:
                         self.lost = f"{holder(lease)} took over run {self.folder.name} (lease token {lease.get('token')})"
                         return
                     self._write()
+                if failing:
+                    self.echo(f"streamrl: lease {self.path} renewed again")
+                failing = False
             except OSError as err:  # a full disk, a flaky mount: try again next beat; ttl_s gives us time
-                self.echo(f"streamrl: could not renew the lease {self.path} ({err}); retrying")
+                if not failing:
+                    self.echo(f"streamrl: could not renew the lease {self.path} ({err}); retrying every "
+                              f"{self.ttl_s / 3:g}s")
+                failing = True
 
     def check(self) -> None:
         """Raise LeaseLost if another process took the run."""

@@ -303,6 +303,9 @@ def test_hanging_reward_and_nonfinite_loss_midjob(tmp_path):
     assert all(np.isfinite(array).all() for array in weights.values())
 
 
+# make test-extended (~2 min): CI stays under 45 minutes; tests/test_preemption.py checks the stop's mechanics in
+# seconds, and benchmarks/chaos.py sends SIGTERM to a job and resumes it
+@pytest.mark.extended
 def test_sigterm_finishes_the_step_checkpoints_and_the_resume_finishes(ray_cluster, tmp_path):
     """A preemption as Kubernetes or `ray job stop` sends it: SIGTERM to the driver mid-job. The step in
     progress finishes and is checkpointed off the checkpoint_every schedule, the MLflow run is ended

@@ -49,7 +49,9 @@ def job(tmp_path_factory):
                           env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     run_id = re.search(r"MLflow run (\w+)", done.stdout).group(1)
-    rollouts = pd.concat([pd.read_parquet(out / "rollouts" / run_id / f"step_{step:06d}.parquet")
+    from pipelines.provenance import find_rollouts
+
+    rollouts = pd.concat([pd.read_parquet(find_rollouts(out, run_id, step))
                           for step in range(STEPS)], ignore_index=True)
     return out, run_id, rollouts, done.stdout
 

