@@ -303,7 +303,8 @@ class StepCheckpoints:
         except BaseException as err:
             folder.discard(tmp)
             if is_disk_full(err) and not isinstance(err, DiskFullError):  # the space freed by discarding counts
-                raise DiskFullError(err.errno, space_problem(folder.root, max(folder.needed_bytes(), 1 << 30),
+                # the newest checkpoint's size when there is one; else no estimate, only the error itself
+                raise DiskFullError(err.errno, space_problem(folder.root, folder.needed_bytes(),
                                                              f"the checkpoint of step {steps_done}")
                                     or f"the checkpoint of step {steps_done}: {err}") from None
             raise
