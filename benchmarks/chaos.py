@@ -53,7 +53,7 @@ from mlflow_server import MlflowServer, Sessions, add_node, start_head  # noqa: 
 KINDS = ("generate", "reward", "trainer", "mlflow", "node", "sigterm", "disk", "writer")
 DISK_SIZE = "2g"  # the tmpfs the job's output_dir lies on: room for checkpoint_keep + 1 tiny checkpoints
 GROUPS, MAX_STALENESS = 8, 1
-PREEMPTED_EXIT = 75  # pipelines.preemption.PREEMPTED_EXIT (not imported: this script does not start Ray)
+PREEMPTED_EXIT = 75  # pipelines.recovery.preemption.PREEMPTED_EXIT (not imported: this script does not start Ray)
 
 
 class Driver:
@@ -327,7 +327,7 @@ def run(folder: Path, steps: int, seed: int, faults: int, timeout_s: float, labe
 
 
 def finished(chaos: Chaos, run_id: str | None, steps: int) -> bool:
-    from pipelines.checkpoint import CheckpointDir
+    from pipelines.recovery.checkpoint import CheckpointDir
 
     checkpoint = CheckpointDir.of_run(chaos.out, run_id).latest_valid() if run_id else None
     return checkpoint is not None and checkpoint.step == steps
@@ -337,7 +337,7 @@ def outcome(chaos: Chaos, run_id: str | None, steps: int) -> dict:
     """What the final checkpoint's ledger and the MLflow run say."""
     import mlflow
 
-    from pipelines.checkpoint import CheckpointDir
+    from pipelines.recovery.checkpoint import CheckpointDir
 
     if run_id is None:
         return {"ledger": None}

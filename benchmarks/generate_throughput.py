@@ -35,7 +35,7 @@ def build_model(name: str, root: Path) -> tuple[Path, int]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipelines.tiny import build_char_tokenizer
+    from pipelines.data.tiny import build_char_tokenizer
 
     hidden, layers, heads, intermediate = SIZES[name]
     path = root / f"llama-{name}"

@@ -2,7 +2,7 @@
 
 Made for a bare GPU machine that has torch with CUDA and transformers but no Ray, vLLM or MLflow
 (DeepSpeed, pydantic and pydantic-core carried as wheels). It runs the project's own trainer
-(`operators.train_worker.TrainWorker`: DeepSpeed, NCCL on a world of one, bf16 with fp32 master
+(`operators.workers.train_worker.TrainWorker`: DeepSpeed, NCCL on a world of one, bf16 with fp32 master
 weights, per-micro-batch backward, chunked log-probs) and HF engine (`operators.engines.hf`) on a
 random Qwen2-shaped ~0.5B model built here (vocabulary 151936, so the chunked log-probs matter),
 and prints and writes (JSON) per step: generation tokens/s, train step time, the weight load's
@@ -54,7 +54,7 @@ def build(folder: Path, shape: dict) -> Path:
 
 
 def free_port() -> int:
-    # pipelines.trainer_group._free_port does the same, but that module imports Ray, which the GPU machine lacks.
+    # pipelines.runtime.trainer_group._free_port does the same, but that module imports Ray, which the GPU machine lacks.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -76,7 +76,7 @@ def main() -> None:
 
     from operators.engines.base import SamplingParams
     from operators.engines.hf import HFEngine
-    from operators.train_worker import LrSchedule, TrainerSettings, TrainWorker
+    from operators.workers.train_worker import LrSchedule, TrainerSettings, TrainWorker
     from operators.weights import WeightSet
 
     cuda = torch.cuda.is_available()

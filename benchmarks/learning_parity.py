@@ -66,8 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    from pipelines.config import load_config
-    from pipelines.grpo import init_ray, run_job
+    from pipelines.config.schema import load_config
+    from pipelines.job import init_ray, run_job
 
     losses = args.losses.split(",")
     unknown = [loss for loss in losses if loss not in LOSSES]

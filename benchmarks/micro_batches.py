@@ -31,9 +31,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    from operators.train_worker import TrainWorker
-    from pipelines.config import load_config
-    from pipelines.trainer_group import _free_port, trainer_settings
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.config.schema import load_config
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
     from throughput import build_bench_model
 
     path, params = build_bench_model("medium")

@@ -5,7 +5,7 @@
     python benchmarks/simulate_cluster.py --calibrate     # -> results/sim_calibration.json
 
 The DAG, scheduler, policy store, staleness gate, Ray Data backpressure, the rollout loop
-(`operators/rollout.py`) and the Train operator are the real ones (`pipelines.grpo`); only the
+(`operators/engines/rollout.py`) and the Train operator are the real ones (`pipelines.job`); only the
 engine (`benchmarks/sim_engine.py`, a continuous-batching cost model with the in-flight
 engine's pause/resume) and the trainer's compute (`sim_trainer.py`) are modelled.
 Accelerators are a Ray custom resource `sim_gpu`; one actor stands for a group of GPUs.
@@ -218,7 +218,7 @@ def init_sim_ray(gpus: int) -> None:
     import ray
     from ray import cloudpickle
 
-    from pipelines.grpo import WORKER_ENV
+    from pipelines.job import WORKER_ENV
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cloudpickle.register_pickle_by_value(sim_trainer)  # a script's neighbour, not an installed module
@@ -228,7 +228,7 @@ def init_sim_ray(gpus: int) -> None:
 
 
 def job_config(layout: Layout, steps: int):
-    from pipelines.config import load_config
+    from pipelines.config.schema import load_config
 
     overrides = {
         "train.steps": steps, "train.groups_per_step": GROUPS_PER_STEP, "train.max_staleness": layout.max_staleness,
@@ -258,8 +258,8 @@ def run_layout(layout: Layout, cost: CostModel, steps: int, workdir: Path) -> di
     """Run the real DAG once under `layout`; return per-step times (real), metrics rows and engine records."""
     import ray
 
-    from pipelines.grpo import build_rl_dataset, iter_steps, schedule_groups
-    from pipelines.policy_store import create_policy_store
+    from pipelines.job import build_rl_dataset, iter_steps, schedule_groups
+    from pipelines.runtime.policy_store import create_policy_store
 
     tag = uuid.uuid4().hex[:8]
     share = 0.5 if layout.colocated else 1.0  # colocated: generation and training each hold half of every GPU
@@ -306,9 +306,9 @@ def _at(records: list[dict], key: str, t: float) -> float:
 def summarize(result: dict, time_scale: float) -> dict:
     """Simulated figures of one run. Throughput: steady state, from the end of step 1 to the end of the
     last step (start-up of Ray actors, unscaled real seconds, is kept out). Idle and overlap: the job's
-    own report (pipelines/timeline.py: first generate start -> last train end), plus engine-instance
+    own report (pipelines/tracking/timeline.py: first generate start -> last train end), plus engine-instance
     utilisation from the sim engines' records over the same window."""
-    from pipelines.timeline import overlap_report
+    from pipelines.tracking.timeline import overlap_report
 
     layout, times, rows = result["layout"], np.array(result["times"]), result["rows"]
     first = 1
@@ -534,10 +534,10 @@ def _measure_decode(path: Path, new_tokens: int = 24) -> list[tuple[int, float]]
 def _measure_train(path: Path) -> dict:
     import ray
 
-    from operators.train_worker import TrainerSettings, TrainWorker
-    from pipelines.grpo import init_ray
-    from pipelines.policy_store import create_policy_store
-    from pipelines.trainer_group import _free_port
+    from operators.workers.train_worker import TrainerSettings, TrainWorker
+    from pipelines.job import init_ray
+    from pipelines.runtime.policy_store import create_policy_store
+    from pipelines.runtime.trainer_group import _free_port
 
     init_ray(num_cpus=2)
     try:

@@ -15,7 +15,7 @@ The same job (model, prompts, seeds, steps; benchmarks/throughput.yaml) runs as:
 Each mode runs in its own process (fresh Ray, fresh memory). Printed per mode: samples/s
 and tokens/s over the steady window (first generate start -> last train end), the whole
 wall time including start-up, trainer and generator idle fractions and the overlap
-efficiency (pipelines/timeline.py). Writes benchmarks/results/throughput.json and
+efficiency (pipelines/tracking/timeline.py). Writes benchmarks/results/throughput.json and
 throughput.png and logs both, with every figure, to MLflow (runs/bench/mlflow.db).
 """
 
@@ -75,7 +75,7 @@ DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
 
 def mode_config(mode: str, model_path: str, args):
-    from pipelines.config import load_config
+    from pipelines.config.schema import load_config
 
     spec = MODES[mode]
     overrides = [
@@ -101,10 +101,10 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     from operators.generate import Generate
     from operators.reward import Reward
     from operators.train import _explode
-    from operators.train_worker import TrainWorker
-    from pipelines.datasets import load_prompts
-    from pipelines.grpo import engine_options, schedule_groups
-    from pipelines.trainer_group import _free_port, trainer_settings
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.data.datasets import load_prompts
+    from pipelines.job import engine_options, schedule_groups
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
     torch.set_num_threads(cfg.train.torch_threads)
     prompts, _ = load_prompts(cfg.data)
@@ -145,7 +145,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
 def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | None, dict]:
     import ray
 
-    from pipelines.grpo import init_ray, run_job
+    from pipelines.job import init_ray, run_job
 
     init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=cfg.ray.object_store_memory_mb)
     try:
@@ -169,7 +169,7 @@ def schedule_figures(result) -> dict:
     in-flight engine's pause per update."""
     import pandas as pd
 
-    from pipelines.checkpoint import LEDGER
+    from pipelines.recovery.checkpoint import LEDGER
 
     ledger = pd.read_parquet(Path(result.checkpoint) / LEDGER) if result.checkpoint else pd.DataFrame()
     figures = {"staleness_histogram": {str(k): int(v) for k, v in ledger["staleness"].value_counts().sort_index().items()}
@@ -187,7 +187,7 @@ def schedule_figures(result) -> dict:
 
 def run_one(mode: str, model_path: str, args) -> dict:
     """Runs in a child process; returns this mode's figures."""
-    from pipelines.timeline import overlap_report
+    from pipelines.tracking.timeline import overlap_report
 
     cfg = mode_config(mode, model_path, args)
     start = time.time()
@@ -292,7 +292,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 def log_to_mlflow(record: dict, json_path: Path, png_path: Path) -> str:
     import mlflow
 
-    from pipelines.config import load_config
+    from pipelines.config.schema import load_config
 
     cfg = load_config(CONFIG)
     mlflow.set_tracking_uri(cfg.tracking_uri())

@@ -14,7 +14,7 @@ first, lognormal with a median of 0.2 s, capped at 2 s, drawn from the expressio
 the same: a tool that calls a service or runs code; benchmarks/bench_tools.py). Modes alternate
 (A B A B) within each latency, so drift on a shared machine hits both; the figure per mode is the
 median of its rounds. Episodes/s is over the steady window (first generate start -> last train end,
-pipelines/timeline.py), start-up excluded. Writes benchmarks/results/tool_episodes.json.
+pipelines/tracking/timeline.py), start-up excluded. Writes benchmarks/results/tool_episodes.json.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ LATENCIES = {
 
 def run_one(mode: str, latency: str, steps: int, output_dir: str) -> dict:
     """In a child process: one job; its figures."""
-    from pipelines.config import load_config
-    from pipelines.grpo import init_ray, run_job
-    from pipelines.timeline import overlap_report
+    from pipelines.config.schema import load_config
+    from pipelines.job import init_ray, run_job
+    from pipelines.tracking.timeline import overlap_report
 
     overrides = [f"output_dir={output_dir}", f"train.steps={steps}", "eval=null", "tracking.enabled=false",
                  "train.checkpoint_every=0", f"rollout.partial_rollout={str(MODES[mode]).lower()}",

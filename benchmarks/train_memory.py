@@ -71,9 +71,9 @@ def child(model: str, count: int, budget: int, threads: int) -> dict:
     """One train step in this process (run by the parent with the checkout's code on sys.path)."""
     import resource
 
-    from operators.train_worker import TrainWorker
-    from pipelines.config import load_config
-    from pipelines.trainer_group import _free_port, trainer_settings
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.config.schema import load_config
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
     samples = make_samples(count)
     cfg = load_config(None, [f"train.micro_batch_tokens={budget}", f"train.torch_threads={threads}",

@@ -41,7 +41,7 @@ CHANNELS = ("before", "after_fp32", "after_bf16")
 
 
 def trainer(path: Path, dtype: str, store: str, port: int):
-    from operators.train_worker import LrSchedule, TrainerSettings, TrainWorker
+    from operators.workers.train_worker import LrSchedule, TrainerSettings, TrainWorker
 
     settings = TrainerSettings(model_path=str(path), lr=1e-5, zero_stage=0 if dtype == "fp32" else 1, dtype=dtype,
                                torch_threads=2, lr_schedule=LrSchedule(warmup_steps=0))
@@ -115,8 +115,8 @@ def main() -> None:
 
     from generate_throughput import build_model
     from operators.engines.vllm import VLLMEngine
-    from pipelines.policy_store import create_policy_store
-    from pipelines.trainer_group import _free_port
+    from pipelines.runtime.policy_store import create_policy_store
+    from pipelines.runtime.trainer_group import _free_port
 
     ray.init(num_cpus=2, object_store_memory=1536 * 2**20, include_dashboard=False, log_to_driver=False)
     records = []

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Dict, List
 
 import numpy as np
 
-from .registry import Registry
+from operators.algorithms.registry import Registry
 
 if TYPE_CHECKING:
     import pandas

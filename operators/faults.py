@@ -6,7 +6,7 @@ writes `<dir>/<name>.json` ({"pid", "name", "time", ...details}) and holds there
 `STREAMRL_FAULT_HOLD_S` seconds (default 30), long enough for the test to SIGKILL it in exactly that
 state. Each point fires once per directory: a restarted process passes it without holding.
 
-    rollout_paused   operators/rollout.py: the engine is paused for a weight update with requests in flight
+    rollout_paused   operators/engines/rollout.py: the engine is paused for a weight update with requests in flight
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ a given policy version: what an evaluator that is not gated on the store uses.
 
 **In flight** (`in_flight=True`; engine 'vllm', or an engine class with `stream` such as the
 benchmarks' simulator): the engine runs as an async engine in a
-`RolloutLoop` (operators/rollout.py) with up to `max_seqs_in_flight` sequences, fed by every call
+`RolloutLoop` (operators/engines/rollout.py) with up to `max_seqs_in_flight` sequences, fed by every call
 the actor runs at once. Give the actor several calls (Ray Data's
 `ActorPoolStrategy(max_tasks_in_flight_per_actor=k, max_concurrent_calls_per_actor=k,
 enable_true_multi_threading=True)`): each call yields every group as its own one-row block the
@@ -108,7 +108,7 @@ class Generate:
             self.environment = EnvironmentFactory(environment, environment_options)
         self.max_turns, self.max_episode_tokens = int(max_turns), int(max_episode_tokens)
         if in_flight:
-            from operators.rollout import RolloutLoop
+            from operators.engines.rollout import RolloutLoop
 
             self.engine = make_in_flight_engine(engine, model_path, **(engine_options or {}))
         else:
@@ -285,7 +285,7 @@ class Generate:
     def sample(self, batch: pd.DataFrame, greedy: bool = False) -> pd.DataFrame:
         """The batch with its responses, from the weights loaded now (no admission gate)."""
         if self.rollout is not None:
-            from operators.rollout import wait_all
+            from operators.engines.rollout import wait_all
 
             batch, prompt_ids, futures = self._submit(batch, greedy)
             return self._rows(batch, prompt_ids, wait_all(futures)) if len(batch) else batch

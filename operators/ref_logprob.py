@@ -22,7 +22,7 @@ import time
 
 import pandas as pd
 
-from operators.batching import length_sorted_chunks
+from operators.algorithms.batching import length_sorted_chunks
 
 
 class RefLogprob:
@@ -72,7 +72,7 @@ class RefLogprob:
         return out
 
     def _score_chunk(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        from operators.losses import token_logprobs
+        from operators.algorithms.losses import token_logprobs
 
         torch = self.torch
         width = max(len(p) + len(r) for p, r in sequences)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from operators.registry import Registry
+from operators.algorithms.registry import Registry
 from operators.sandbox import Sandbox, SandboxLimits
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def exact_match(completions: list[str], answer: list[str], **kwargs) -> list[flo
 def reasoning_gym(completions: list[str], rg_task: list[str], rg_entry: list[str], **kwargs) -> list[float]:
     """A reasoning_gym:<task> dataset's own score (`score_answer`, in [0, 1]) of the answer the completion
     states; 0.0 when it states none. Needs the columns rg_task, rg_entry (and rg_options) that
-    pipelines/reasoning_tasks.py makes."""
+    pipelines/data/reasoning_tasks.py makes."""
     from operators.task_answers import reasoning_gym_scores
 
     return reasoning_gym_scores(completions, rg_task, rg_entry, kwargs.get("rg_options"))

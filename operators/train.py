@@ -12,7 +12,7 @@ steps through the admission gate.
 Exactly once: a group is keyed by its `group_uid`; one that arrives again (a generate task
 retried after its actor died, or a group already in the resumed checkpoint's ledger) is
 dropped and counted (`duplicate_groups`). Every `checkpoint_every` steps and after the last
-one, the operator writes a resumable checkpoint (pipelines/checkpoint.py) between two
+one, the operator writes a resumable checkpoint (pipelines/recovery/checkpoint.py) between two
 optimizer steps: the ranks' DeepSpeed state, RNG states and the ledger of every group
 trained so far, which is the data cursor a resumed job continues from.
 
@@ -34,7 +34,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from operators.batching import trained_tokens
+from operators.algorithms.batching import trained_tokens
 from operators.durable import write_atomic
 
 # `policy_version` is the oldest version that sampled a token of the group (what staleness counts),
@@ -80,17 +80,17 @@ class Train:
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). `checkpoints`: what writes
         resumable checkpoints between steps, or None for none; any object with `due(steps_done, last)` and
-        `write(steps_done, workers, critics, ledger, last) -> Path` (a job passes pipelines.checkpoint.StepCheckpoints;
+        `write(steps_done, workers, critics, ledger, last) -> Path` (a job passes pipelines.recovery.checkpoint.StepCheckpoints;
         this operator imports nothing of pipelines/). `stop`: asked after each step, `stop.requested()`
         True means a graceful stop: that step is checkpointed and its row says `stopped`
-        (pipelines.preemption.StopRequest). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
+        (pipelines.recovery.preemption.StopRequest). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
         the checkpoint the job resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
         (operators.advantage.whiten_over_step; REINFORCE++, GAE) before training on them: "token" over
         every trained token (a response's advantage counts once per token, observation tokens not at all),
         "response" once per response; None: not. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
         `groups_per_step` of them (`select_informative`), and the ledger records the others as dropped.
-        `critics`: the critic group's ranks (operators.value_worker.ValueWorker), trained each step on the
+        `critics`: the critic group's ranks (operators.workers.value_worker.ValueWorker), trained each step on the
         rows' `returns` and `values` (from the Value and Advantage stages). `mini_batches`: the trainer's
         (train.mini_batches); above 1 the ranks get equal sample counts, else equal token counts.
         `rollouts_dir`: write each step's rollouts there (`step_NNNNNN.parquet`, atomically, before the step's
@@ -227,7 +227,7 @@ class Train:
         if metrics.get("nonfinite_skipped"):
             self.nan_skips += 1
             if self.max_nan_skips is not None and self.nan_skips > self.max_nan_skips:
-                from operators.train_worker import NonFiniteError
+                from operators.workers.train_worker import NonFiniteError
 
                 raise NonFiniteError(
                     f"{self.nan_skips} steps had a non-finite loss (train.max_nan_skips: {self.max_nan_skips}); "
@@ -249,7 +249,7 @@ class Train:
         self.stopped = stopping
         metrics["stopped"] = bool(stopping)  # a graceful stop was asked for: this step is the last one trained
         metrics["time_checkpoint"] = time.perf_counter() - checkpoint_start  # trainer blocked while it writes
-        # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/timeline.py);
+        # Busy intervals (wall clock) of this step's work, for overlap analysis (pipelines/tracking/timeline.py);
         # a JSON string so it travels as a plain Arrow column and is not logged as a metric.
         timeline = json.dumps({"train": (wall_start, wall_start + end - start), "generate": _generate_intervals(rows),
                                "stamps": _stamps(generated)})
@@ -394,8 +394,8 @@ def _stamps(rows: list[dict]) -> dict[str, list]:
 def _shard(samples: dict[str, list], world_size: int, equal_counts: bool = False) -> list[dict[str, list]]:
     """The step's samples dealt to the ranks by tokens (prompt + response, what a rank computes on):
     token counts within one sample of each other; `equal_counts` (several mini-batches per rank) keeps
-    the sample counts equal instead (operators.batching.balanced_shards)."""
-    from operators.batching import balanced_shards
+    the sample counts equal instead (operators.algorithms.batching.balanced_shards)."""
+    from operators.algorithms.batching import balanced_shards
 
     lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
     return [{key: [values[i] for i in shard] for key, values in samples.items()}
@@ -439,7 +439,7 @@ def _rollouts(rows: list[dict], step: int, dropped: dict[str, str] | None = None
 
 
 # The ledger: one row per group a step consumed, the record exactly-once resume and `streamrl lineage`
-# read (checkpoints carry it: pipelines/checkpoint.py). `used`: the group was in its step's update (dynamic
+# read (checkpoints carry it: pipelines/recovery/checkpoint.py). `used`: the group was in its step's update (dynamic
 # sampling leaves some out, `dropped` says why: zero_variance or surplus); `trained`: the step's update was
 # applied (not skipped for a non-finite loss). `policy_version` / `policy_version_max`: the oldest / newest
 # version that sampled a token of the group. `generator_id`: the generate actor that sampled it (host:pid), so
@@ -499,9 +499,9 @@ _RANK_SPECIAL = {"num_tokens", "policy_loss", "grad_norm", "grad_norm_last", "tr
 
 def _rank_metrics(results: list[dict]) -> dict:
     """Merge the ranks' figures: token-weighted means of the loss statistics (*_max: maximum,
-    *_min: minimum), the mismatch statistics from their sums (operators.correction.merge_mismatch),
+    *_min: minimum), the mismatch statistics from their sums (operators.algorithms.correction.merge_mismatch),
     the mean loss, rank 0's gradient norms (global after DeepSpeed's all-reduce), the slowest time."""
-    from operators.correction import merge_mismatch
+    from operators.algorithms.correction import merge_mismatch
 
     tokens = np.array([r["num_tokens"] for r in results], dtype=float)
     weights = tokens / max(tokens.sum(), 1.0)

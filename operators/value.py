@@ -12,7 +12,7 @@ response token: V of the state before that token), `critic_version` and `time_va
 
 The model is `AutoModelForTokenClassification` with one label (the policy's backbone with
 a scalar head; it must share the policy's tokenizer). With a `value_store` (a PolicyStore of
-critic weights, which operators.value_worker.ValueWorker publishes) every weight comes from
+critic weights, which operators.workers.value_worker.ValueWorker publishes) every weight comes from
 the store, and a row that carries `policy_version` p is valued only with a critic version
 >= p: the admission rule of the policy. The critic is trained in the same train step as the
 policy and published right after it, so version p exists as soon as policy p does and the

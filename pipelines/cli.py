@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.config import ConfigError, load_config
+from pipelines.config.schema import ConfigError, load_config
 
 EXIT_BAD_CONFIG = 2
 
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _submit(args) -> int:
-    from pipelines.submit import SubmitError, submit
+    from pipelines.runtime.submit import SubmitError, submit
 
     try:
         job = submit(args.config, args.address, args.overrides, args.working_dir, args.wait,
@@ -95,7 +95,7 @@ def _submit(args) -> int:
 
 
 def _lineage(args) -> int:
-    from pipelines.provenance import LineageError, lineage_command
+    from pipelines.tracking.lineage import LineageError, lineage_command
 
     try:
         print(lineage_command(args.run_id, args.step, args.checkpoint, args.output_dir, args.json))
@@ -108,7 +108,7 @@ def _lineage(args) -> int:
 def _eval(args) -> int:
     import json
 
-    from pipelines.eval_job import EvalError, eval_command
+    from pipelines.evaluation.job import EvalError, eval_command
 
     echo = (lambda line: print(line, file=sys.stderr)) if args.json else print
     try:
@@ -124,7 +124,7 @@ def _eval(args) -> int:
 
 
 def _sync(args, cfg) -> int:
-    from pipelines.sync import SyncFailed, sync_run
+    from pipelines.tracking.sync import SyncFailed, sync_run
 
     try:
         sync_run(cfg, args.run)
@@ -138,8 +138,8 @@ def _sync(args, cfg) -> int:
 
 
 def _run(args, cfg) -> int:
-    from pipelines.grpo import JobFailed, run_job
-    from pipelines.resume import resume_command
+    from pipelines.job import JobFailed, run_job
+    from pipelines.recovery.resume import resume_command
 
     try:
         result = run_job(cfg, resume=args.resume)
@@ -147,7 +147,7 @@ def _run(args, cfg) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except JobFailed as err:
-        from pipelines.preemption import PREEMPTED_EXIT
+        from pipelines.recovery.preemption import PREEMPTED_EXIT
 
         what = "stopped" if err.preempted else "interrupted" if err.interrupted else "failed"
         print(f"streamrl: job {what}: {err}", file=sys.stderr)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in cfg.algorithm.chosen():  # fields the algorithm set because the config left them unset
         print(f"streamrl: {line}", file=sys.stderr if args.command == "validate" else sys.stdout)
     if args.command == "validate":
-        from pipelines.models import cached_model_path, model_folder_problems
+        from pipelines.data.models import cached_model_path, model_folder_problems
 
         folder = cached_model_path(cfg.model.path, cfg.model.revision)  # nothing is downloaded or built to check
         problems = model_folder_problems(folder, "model.path", cfg.model.trust_remote_code) if folder else []

@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("input", help="Parquet file or folder with a 'prompt' column (and the reward's columns)")
     parser.add_argument("output", help="folder to write scored Parquet files into")
     parser.add_argument("--model", default="builtin:tiny-arith",
-                        help="local model folder, Hub id (org/name) or builtin:NAME (pipelines/models.py)")
+                        help="local model folder, Hub id (org/name) or builtin:NAME (pipelines/data/models.py)")
     parser.add_argument("--n", type=int, default=4, help="responses per prompt")
     parser.add_argument("--reward", default="arithmetic_exact", help="builtin name or module:function")
     args = parser.parse_args(argv)
-    from pipelines.config import ModelConfig
-    from pipelines.models import resolve_model_path
+    from pipelines.config.schema import ModelConfig
+    from pipelines.data.models import resolve_model_path
 
     model_path = resolve_model_path(ModelConfig(path=args.model))
     ray.init(include_dashboard=False, logging_level="warning")

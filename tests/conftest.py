@@ -1,4 +1,13 @@
-"""Shared fixtures: one real local Ray cluster for the session, the tiny model built once."""
+"""Shared fixtures (one real local Ray cluster for the session, the tiny model built once) and the
+folder markers.
+
+The folders say what a test covers and what it needs:
+  tests/unit/         pure functions and single classes in one process: no Ray, no job (seconds)
+  tests/integration/  one room against real parts: Ray actors, vLLM, DeepSpeed ranks, an MLflow server
+  tests/e2e/          whole jobs as a user runs them (`streamrl run`, resume, faults, clusters)
+Each test gets the marker of its folder (`pytest -m unit`, `-m "not e2e"`); `slow`, `vllm` and
+`extended` stay per test.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+FOLDER_MARKERS = ("unit", "integration", "e2e")
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -17,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def ray_cluster():
     import ray
 
-    from pipelines.grpo import init_ray
+    from pipelines.job import init_ray
 
     init_ray(num_cpus=2, object_store_memory_mb=512)
     yield ray
@@ -26,7 +37,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from pipelines.tiny import build_tiny_model
+    from pipelines.data.tiny import build_tiny_model
 
     return str(build_tiny_model())
 
@@ -46,3 +57,10 @@ def servers():
             sessions.stop()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = item.path.parent.name
+        if folder in FOLDER_MARKERS:
+            item.add_marker(folder)

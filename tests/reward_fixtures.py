@@ -144,7 +144,7 @@ class WrongAnswers:
                 }[self.kind]
 
 
-# Sandbox escapes (tests/test_sandbox.py): each does what the sandbox must contain.
+# Sandbox escapes (tests/integration/test_sandbox.py): each does what the sandbox must contain.
 def start_sleeper_and_hang(completions, pid_file, **kwargs):
     """Starts a grandchild (`sleep`), writes its pid to the row's `pid_file`, then never answers."""
     import subprocess

@@ -79,7 +79,7 @@ def has_in_flight_form(name: str) -> bool:
 
 
 def make_in_flight_engine(name: str, model_path: str, **options) -> InFlightEngine:
-    """The in-flight form of engine `name`, for a RolloutLoop (operators/rollout.py)."""
+    """The in-flight form of engine `name`, for a RolloutLoop (operators/engines/rollout.py)."""
     if name == "vllm":
         from operators.engines.vllm_async import AsyncVLLMEngine
 
@@ -92,7 +92,7 @@ def make_in_flight_engine(name: str, model_path: str, **options) -> InFlightEngi
 
 # --- in-flight engines ---------------------------------------------------------------------------
 # An engine with many requests in flight (vLLM's AsyncLLM, the simulator's decode server) is driven by a
-# `RolloutLoop` (operators/rollout.py) on one asyncio event loop of its own: the loop owns the engine,
+# `RolloutLoop` (operators/engines/rollout.py) on one asyncio event loop of its own: the loop owns the engine,
 # feeds it from several Generate calls at once, tags every token with the policy version loaded when
 # the token arrived, and swaps weights with pause -> load -> resume.
 

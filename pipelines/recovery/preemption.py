@@ -1,0 +1,161 @@
+"""A graceful stop on SIGTERM: what spot instances, `ray job stop` and Kubernetes send before they kill.
+
+The first SIGTERM to the driver starts a stop that loses nothing and fits a grace period
+(`train.preempt_grace_s`, default 25 s: inside Kubernetes' default 30 s):
+
+* `train.on_preempt: finish_step` (default): the step being trained finishes, the Train operator
+  writes a checkpoint right after it (whatever `train.checkpoint_every` says) and the job stops;
+  should the grace period run out first, the job stops at once instead (as `abandon_step`).
+* `train.on_preempt: abandon_step`: the job stops at once; the step in progress is dropped and the
+  last checkpoint already written is where a resume starts (its steps are trained again).
+
+Either way the MLflow records still buffered are delivered (or spooled, within what is left of the
+grace period), the run is marked KILLED with the tag `stopped_by: preemption`, the command that
+resumes the run is printed, and `streamrl run` exits with PREEMPTED_EXIT (75, EX_TEMPFAIL: try
+again). A second SIGTERM (or Ctrl-C) stops at once, exit 130, keeping every checkpoint written.
+
+The Train operator polls a `StopRequest` (operators import nothing of pipelines/: any object with
+`requested()` will do); the driver sets it through a small named actor.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import threading
+import time
+from typing import Callable
+
+import ray
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped on a signal, resumable with the printed command
+
+
+def interrupt_main_thread() -> None:
+    """KeyboardInterrupt in the main thread, also while it blocks in an untimed lock or queue wait.
+
+    `_thread.interrupt_main()` only sets the flag Python checks between bytecodes, and a main thread
+    blocked in `Condition.wait()` (Ray Data's iterator waiting for a block that never comes) never
+    runs one: the interrupt waited forever (seen in the node-loss test). A real SIGINT sent to the
+    main thread ends the wait (EINTR) and Python runs its handler there."""
+    if callable(signal.getsignal(signal.SIGINT)):  # a Python handler: default_int_handler raises KeyboardInterrupt
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    else:  # SIGINT ignored or at the OS default (which would end the process): only the flag
+        _thread.interrupt_main()
+
+
+class Preempted(BaseException):
+    """The job stopped on SIGTERM (a BaseException, like KeyboardInterrupt: no retry catches it).
+    `step`: the checkpoint a resume starts from; `finished_step`: whether the step in progress was
+    trained and checkpointed (finish_step) or dropped (abandon_step, or the grace period ran out)."""
+
+    def __init__(self, message: str, finished_step: bool):
+        super().__init__(message)
+        self.finished_step = finished_step
+
+
+@ray.remote(num_cpus=0)
+class _StopFlag:
+    def __init__(self):
+        self.set_at = None
+
+    def set(self) -> None:
+        self.set_at = self.set_at or time.time()
+
+    def is_set(self) -> bool:
+        return self.set_at is not None
+
+
+class StopRequest:
+    """What the Train operator asks after each step: has a graceful stop been asked for? Picklable
+    (it travels to the Train stage's actor by name)."""
+
+    def __init__(self, actor_name: str):
+        self.actor_name = actor_name
+        self._actor = None
+
+    def requested(self) -> bool:
+        if self._actor is None:
+            self._actor = ray.get_actor(self.actor_name)
+        return bool(ray.get(self._actor.is_set.remote()))
+
+    def __getstate__(self) -> dict:
+        return {"actor_name": self.actor_name, "_actor": None}
+
+
+class Preemption:
+    """Driver side, for the length of a job: the SIGTERM handler, the flag actor, the grace watchdog.
+
+    Use as a context manager around the job (main thread only: Python runs signal handlers there; in
+    another thread it installs nothing and the default SIGTERM behaviour stays)."""
+
+    def __init__(self, policy: str, grace_s: float, echo: Callable[[str], None] = print):
+        self.policy, self.grace_s, self.echo = policy, grace_s, echo
+        self.requested_at: float | None = None
+        self.grace_expired = False
+        self._flag = None
+        self._previous = None
+        self._installed = False
+        self._armed = True
+
+    # -- the flag the Train operator reads ----------------------------------------------------
+
+    def stop_request(self) -> StopRequest:
+        """A StopRequest for this job's Train operator (the flag actor is made on first use)."""
+        if self._flag is None:
+            name = f"streamrl-stop-{id(self):x}-{time.time_ns()}"
+            from pipelines.runtime.placement import on_this_node
+
+            self._flag = _StopFlag.options(name=name, scheduling_strategy=on_this_node()).remote()
+            self._flag_name = name
+            if self.requested_at is not None:
+                self._flag.set.remote()
+        return StopRequest(self._flag_name)
+
+    def disarm(self) -> None:
+        """The job is stopping (or has stopped): the grace watchdog must not interrupt its clean-up."""
+        self._armed = False
+
+    def remaining_s(self) -> float:
+        """Seconds left of the grace period (the whole period while no stop was asked for)."""
+        if self.requested_at is None:
+            return self.grace_s
+        return max(self.grace_s - (time.monotonic() - self.requested_at), 0.0)
+
+    # -- the signal -----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.requested_at is not None:  # the second signal: stop now
+            self.echo("streamrl: a second SIGTERM: stopping now (checkpoints already written are kept)")
+            raise KeyboardInterrupt
+        self.requested_at = time.monotonic()
+        if self.policy == "abandon_step":
+            self.echo("streamrl: SIGTERM: stopping now, the step in progress is abandoned (train.on_preempt: "
+                      "abandon_step); a resume starts from the last checkpoint")
+            raise Preempted("stopped on SIGTERM; the step in progress was abandoned", finished_step=False)
+        self.echo(f"streamrl: SIGTERM: finishing the step in progress, then a checkpoint and a stop "
+                  f"(train.on_preempt: finish_step; at most {self.grace_s:g}s, train.preempt_grace_s)")
+        if self._flag is not None:
+            self._flag.set.remote()
+        threading.Thread(target=self._watchdog, name="streamrl-preempt-grace", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        # Leave a few seconds of the grace period for the checkpoint's end, MLflow and Ray's shut-down.
+        deadline = max(self.grace_s * 0.8, self.grace_s - 5.0)
+        while self.requested_at is not None and time.monotonic() - self.requested_at < deadline:
+            time.sleep(0.1)
+        if self._installed and self._armed:
+            self.grace_expired = True
+            self.echo("streamrl: the grace period is running out before the step ended: stopping now")
+            interrupt_main_thread()  # the main thread waits in the DAG's iterator

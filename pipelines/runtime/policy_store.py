@@ -1,0 +1,83 @@
+"""The weight channel: a named Ray actor holding the latest (version, weights).
+
+Train publishes after every optimizer step; generators ask for the version before each
+batch (cheap) and pull weights only when theirs is older. Weights travel as one object
+in the object store (a dict of numpy arrays: zero-copy gets); the store keeps only the
+latest reference so old versions are freed, except versions named in `retain` (those an
+evaluator will read, see pipelines/evaluation/in_training.py): they stay until released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class PolicyStore:
+    def __init__(self, initial_version: int = 0, retain: tuple[int, ...] = ()):
+        # Version `initial_version` is the weights every generator loads from the model folder,
+        # so it needs no reference here; only later versions carry weights.
+        self.version = initial_version
+        self.weights_ref = None
+        self.changed = asyncio.Condition()
+        self.publish_times: list[float] = []
+        self.retain = set(retain)
+        self.retained: dict[int, object] = {}  # version -> weights ref, kept for a reader
+        self.loads: list[dict] = []  # what in-flight generators report per weight update (operators/engines/rollout.py)
+
+    async def publish(self, version: int, weights_ref_box: list) -> None:
+        """`weights_ref_box` is `[ray.put(state_dict)]`: boxed so Ray passes the reference."""
+        async with self.changed:
+            if version <= self.version:
+                raise ValueError(f"version {version} is not newer than the stored {self.version}")
+            self.version, self.weights_ref = version, weights_ref_box[0]
+            if version in self.retain:
+                self.retained[version] = self.weights_ref
+            self.changed.notify_all()
+
+    async def get_version(self) -> int:
+        return self.version
+
+    async def wait_for(self, min_version: int, timeout_s: float | None = None) -> int:
+        """Block until a version >= min_version exists; return the latest version."""
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: self.version >= min_version), timeout_s)
+            return self.version
+
+    async def get_latest(self) -> tuple[int, list]:
+        return self.version, [self.weights_ref]
+
+    async def get_weights_of(self, version: int, timeout_s: float | None = None) -> list:
+        """Wait until `version` is published; its boxed weights ref ([None]: the model folder's own
+        weights, version `initial_version` before anything was published). Raises KeyError when
+        that version was replaced and not retained."""
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: self.version >= version), timeout_s)
+            if version in self.retained:
+                return [self.retained[version]]
+            if version == self.version:
+                return [self.weights_ref]
+        raise KeyError(f"policy version {version} was replaced by {self.version} and not retained")
+
+    async def record_load(self, generator_id: str, record: dict) -> None:
+        """An in-flight generator loaded a version: its pull, prepare and pause seconds."""
+        self.loads.append({"generator_id": generator_id, **record})
+        del self.loads[:-10_000]
+
+    async def load_log(self) -> list[dict]:
+        return list(self.loads)
+
+    async def release(self, version: int) -> None:
+        """Drop a retained version (its reader has it)."""
+        self.retain.discard(version)
+        self.retained.pop(version, None)
+
+
+def create_policy_store(name: str, initial_version: int = 0, retain: tuple[int, ...] = ()):
+    """Start the store as a named actor (so operators find it by name) on the caller's node, and return
+    its handle."""
+    from pipelines.runtime.placement import on_this_node
+
+    return PolicyStore.options(name=name, scheduling_strategy=on_this_node()).remote(initial_version, tuple(retain))

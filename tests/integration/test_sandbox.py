@@ -1,0 +1,182 @@
+"""The sandbox (operators/sandbox.py) contains what a reward function or tool does in its child: its own
+children, secrets in the environment, memory and disk, oversized or pickled replies, and, where the
+machine permits it, the network. Real child processes, functions from tests/reward_fixtures.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from operators.environment import ToolEnvironment
+from operators.reward import Reward
+from operators.sandbox import Sandbox, SandboxLimits, isolation
+
+
+def batch(responses: list[str], **columns) -> pd.DataFrame:
+    """One prompt group with `responses`, and `columns` as dataset columns."""
+    return pd.DataFrame({"prompt_id": ["p0"], "prompt": ["x"], "answer": ["1"], "responses": [responses],
+                         **{name: [value] for name, value in columns.items()}})
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for a reaper counts as exited)."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return gone(pid)
+
+
+def test_timeout_kills_the_functions_own_children(tmp_path):
+    pid_file = tmp_path / "sleeper.pid"
+    reward = Reward([("reward_fixtures:start_sleeper_and_hang", 1.0)], on_error=-1.0, timeout_s=2)
+    try:
+        out = reward(batch(["1"], pid_file=str(pid_file)))
+        assert out["rewards"].tolist() == [[-1.0]] and out["reward_timeouts"].tolist() == [1]
+        sleeper = int(pid_file.read_text())
+        assert wait_gone(sleeper, 5), f"the sandbox's grandchild {sleeper} outlived the timeout"
+    finally:
+        reward.close()
+
+
+def test_secrets_in_the_environment_do_not_reach_the_child(monkeypatch):
+    monkeypatch.setenv("STREAMRL_TEST_SECRET", "hunter2")
+    scrubbed = Reward([("reward_fixtures:sees_test_secret", 1.0)], timeout_s=10)
+    passed = Reward([("reward_fixtures:sees_test_secret", 1.0)], timeout_s=10,
+                    limits=SandboxLimits(pass_env=("STREAMRL_TEST_SECRET",)))
+    try:
+        assert scrubbed(batch(["1"]))["rewards"].tolist() == [[0.0]]  # neither os.environ nor /proc/self/environ
+        assert passed(batch(["1"]))["rewards"].tolist() == [[1.0]]  # unless the limits name it
+    finally:
+        scrubbed.close()
+        passed.close()
+
+
+def test_the_sandbox_section_of_a_config_sets_the_limits_a_job_passes(monkeypatch):
+    """`sandbox:` in a config reaches the reward functions' child (what grpo and eval build Reward with) and
+    the builtin tool environment's options."""
+    from pipelines.config.schema import load_config
+
+    cfg = load_config("configs/tiny_tools.yaml", ["sandbox.pass_env=[STREAMRL_TEST_SECRET]", "sandbox.network=true",
+                                                  "sandbox.memory_mb=2048", "sandbox.max_reply_mb=1"])
+    limits = cfg.sandbox.limits()
+    assert limits == SandboxLimits(address_space_bytes=2 << 30, max_reply_bytes=1 << 20, isolate_network=False,
+                                   pass_env=("STREAMRL_TEST_SECRET",))
+    assert cfg.environment_options()["limits"] == limits
+    monkeypatch.setenv("STREAMRL_TEST_SECRET", "hunter2")
+    reward = Reward([("reward_fixtures:sees_test_secret", 1.0)], timeout_s=10, limits=limits)
+    try:
+        assert reward(batch(["1"]))["rewards"].tolist() == [[1.0]]
+    finally:
+        reward.close()
+
+
+def test_memory_past_the_limit_fails_the_call_and_the_child_serves_the_next():
+    reward = Reward([("reward_fixtures:allocate_two_gib", 1.0), ("arithmetic_exact", 10.0)], on_error=-1.0,
+                    timeout_s=30, limits=SandboxLimits(address_space_bytes=1 << 30))
+    try:
+        out = reward(batch(["1", "2"]))
+        assert out["reward_reward_fixtures.allocate_two_gib"].tolist() == [[-1.0, -1.0]]  # MemoryError
+        assert out["reward_errors"].tolist() == [2] and out["reward_timeouts"].tolist() == [0]
+        assert out["reward_arithmetic_exact"].tolist() == [[1.0, 0.0]]  # the same child, after it
+        child = reward.sandbox.pid
+        assert reward(batch(["1"]))["reward_arithmetic_exact"].tolist() == [[1.0]]
+        assert reward.sandbox.pid == child and reward.sandbox.starts == 1
+    finally:
+        reward.close()
+
+
+def test_writes_past_the_file_size_limit_fail_the_call(tmp_path):
+    reward = Reward([("reward_fixtures:write_two_mib", 1.0)], on_error=-1.0, timeout_s=10,
+                    limits=SandboxLimits(file_size_bytes=1 << 20))
+    try:
+        out = reward(batch(["1"], tmp_file=str(tmp_path / "big")))
+        assert out["rewards"].tolist() == [[-1.0]] and out["reward_errors"].tolist() == [1]
+        assert (tmp_path / "big").stat().st_size == 1 << 20  # cut at the limit (EFBIG), the child alive
+        assert reward.sandbox.pid is not None
+    finally:
+        reward.close()
+
+
+def test_an_oversized_reply_fails_its_call_only():
+    tools = ToolEnvironment(tools=("reward_fixtures:huge_tool", "reward_fixtures:echo_tool"), sandboxes=1)
+    result, error = tools.call("reward_fixtures:huge_tool", "")
+    assert result is None and "capped at 8388608 bytes" in error
+    assert tools.call("reward_fixtures:echo_tool", "abc") == ("cba", None)  # a fresh child answers
+
+
+def test_the_parent_never_unpickles_what_the_child_sends(tmp_path, capfd):
+    marker = tmp_path / "ran-in-the-parent"
+    reward = Reward([("reward_fixtures:pickle_into_pipe", 1.0)], on_error=-1.0, timeout_s=10)
+    try:
+        out = reward(batch(["1"], marker=str(marker)))
+        assert out["rewards"].tolist() == [[-1.0]] and out["reward_errors"].tolist() == [1]
+        assert "reply is not JSON" in capfd.readouterr().err
+    finally:
+        reward.close()
+    assert not marker.exists()
+    # A tool's string subclass with its own pickle arrives as its text, nothing more.
+    tool_marker = tmp_path / "tool-ran-in-the-parent"
+    tools = ToolEnvironment(tools=("reward_fixtures:unpickle_trap_tool",), sandboxes=1)
+    assert tools.call("reward_fixtures:unpickle_trap_tool", str(tool_marker)) == (str(tool_marker), None)
+    assert not tool_marker.exists()
+
+
+def test_reply_scores_round_trip_through_json():
+    """Finite scores arrive exactly (1e308 too: its fate is the trainer's to decide); failed samples (None,
+    NaN, infinities, not numbers) arrive as failures, as in the function's own process."""
+    sandbox = Sandbox(["reward_fixtures:none_for_empty"], "reward")
+    try:
+        scores, problem = sandbox.call("reward_fixtures:none_for_empty", ["a", "", "b"], {"answer": ["a", "x", "c"]}, 10)
+        assert problem is None and scores == [1.0, None, 0.0]
+    finally:
+        sandbox.close()
+    reward = Reward([("reward_fixtures:troublemaker", 1.0)], on_error=-1.0, timeout_s=10)
+    try:
+        out = reward(pd.DataFrame({"prompt_id": ["arith-00007"], "prompt": ["x"], "answer": ["2"],
+                                   "responses": [["2", "3"]]}))
+        assert out["rewards"].tolist() == [[1e308, 0.0]]
+    finally:
+        reward.close()
+
+
+def test_isolation_is_what_this_machine_permits():
+    prefix, line = isolation(True)
+    unshare = shutil.which("unshare")
+    permitted = unshare is not None and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0
+    assert bool(prefix) == permitted
+    if permitted:
+        assert "no network (own user and network namespace" in line and "no filesystem isolation" in line
+    else:
+        assert "no network or filesystem isolation on this machine" in line
+    assert line.endswith("rlimits, a scrubbed environment and JSON replies apply")
+    reward = Reward([("reward_fixtures:network_interfaces", 1.0)], timeout_s=10)
+    try:
+        seen = reward(batch(["1"]))["rewards"].iloc[0][0]
+    finally:
+        reward.close()
+    if permitted:
+        assert seen == 0.0  # loopback only
+    allowed_prefix, allowed_line = isolation(False)
+    assert allowed_prefix == () and "network allowed" in allowed_line
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="address_space_bytes: a whole number >= 0"):
+        SandboxLimits(address_space_bytes=-1)
+    with pytest.raises(ValueError, match="max_reply_bytes: at least 1024"):
+        SandboxLimits(max_reply_bytes=10)
+    with pytest.raises(ValueError, match="sandbox kind 'judge'"):
+        Sandbox(["x"], "judge")
+

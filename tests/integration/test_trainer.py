@@ -1,0 +1,315 @@
+"""The DeepSpeed worker group: data parallelism over Ray actors computes the same step.
+
+One optimizer step on the same samples with 1 rank (ZeRO 0) and with 2 ranks (ZeRO 3,
+parameters sharded and gathered for publishing, samples in micro-batches) must see the
+same global gradient norm and loss: the token-level loss is normalised by the global token count, not per rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipelines.config.schema import load_config
+from pipelines.runtime.policy_store import create_policy_store
+from pipelines.runtime.trainer_group import start_trainer_group
+from operators.train import _explode, _shard, step_normalisers
+from operators.weights import fetch
+from samples import episode_samples, step_samples
+
+
+
+
+def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict], dict]:
+    import ray
+
+    store = create_policy_store(name)
+    workers, placement = start_trainer_group(cfg, model_path, name)
+    try:
+        shards = _shard(samples, len(workers))
+        tokens, sequences = step_normalisers(samples)
+        results = ray.get([w.train_step.remote(s, tokens, sequences) for w, s in zip(workers, shards)])
+        version, (ref,) = ray.get(store.get_latest.remote())
+        assert version == 1
+        # what a generator receives: the manifest's buckets (under ZeRO-3 gathered module by module)
+        return results, fetch(ref).float32_arrays()
+    finally:
+        for actor in [*workers, store]:
+            ray.kill(actor)
+
+
+@pytest.mark.parametrize("aggregation,episodes", [("token_mean", False), ("seq_mean_token_mean", True),
+                                                   ("seq_mean_token_sum_norm", True)])
+def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation, episodes):
+    """The ranks' shards are balanced by tokens, so they hold different numbers of samples here: the
+    losses still add up to the one-rank step, for a token-normalised, a sequence-averaged and Dr. GRPO's
+    loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's)."""
+
+    samples = episode_samples(tiny_model_path) if episodes else _explode(step_samples(tiny_model_path))
+    long_response = samples["response_token_ids"][0] * 10  # one long response among short ones
+    samples["response_token_ids"][0] = long_response
+    samples["behavior_logprobs"][0] = [-1.0 - 0.05 * j for j in range(len(long_response))]
+    if episodes:
+        samples["loss_masks"][0] = samples["loss_masks"][0] * 10
+    shards = _shard(samples, 2)
+    assert len(shards[0]["advantages"]) != len(shards[1]["advantages"])
+    base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4",
+            f"algorithm.loss_aggregation={aggregation}"]
+    single = load_config(None, base + ["train.world_size=1", "train.zero_stage=0"])
+    # The sharded side also splits each rank's samples into micro-batches (several forwards,
+    # one backward under ZeRO-3): the step must still equal the single-rank one.
+    # Threshold 0: every parameter is really partitioned, so the publish (a gather) involves both ranks;
+    # at DeepSpeed's default the tiny model's parameters all stay whole and nothing is gathered.
+    sharded = load_config(None, base + ["train.world_size=2", "train.zero_stage=3", "train.micro_batch_tokens=12",
+                                        "train.zero3_persistence_threshold=0"])
+    results_1, weights_1 = one_step(single, tiny_model_path, samples, "trainer-test-1")
+    results_2, weights_2 = one_step(sharded, tiny_model_path, samples, "trainer-test-2")
+    assert len(results_2) == 2 and all(r["micro_batches"] > 1 for r in results_2)
+    np.testing.assert_allclose(results_2[0]["grad_norm"], results_1[0]["grad_norm"], rtol=1e-4)
+    loss_2 = np.mean([r["policy_loss"] for r in results_2])
+    np.testing.assert_allclose(loss_2, results_1[0]["policy_loss"], rtol=1e-4, atol=1e-6)
+    assert weights_1.keys() == weights_2.keys()
+    # Same update up to float reassociation; Adam's first step is ~lr*sign(g), so compare
+    # loosely elementwise and tightly on average.
+    for name in weights_1:
+        diff = np.abs(weights_1[name] - weights_2[name])
+        assert diff.mean() < 1e-5, name
+
+
+def test_micro_batches_give_the_same_step(tiny_model_path):
+    """Splitting a rank's samples into length-sorted micro-batches removes padding, not maths:
+    loss, gradient norm and updated weights equal the one-batch step, for a token-normalised
+    and a sequence-averaged aggregation. Runs in-process (no Ray): one rank, gloo world of 1."""
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+
+    samples = _explode(step_samples(tiny_model_path))
+    tokens = sum(len(r) for r in samples["response_token_ids"])
+    for aggregation in ("token_mean", "seq_mean_token_mean"):
+        outcomes = []
+        for budget in (0, 12):
+            cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
+                                     f"algorithm.loss_aggregation={aggregation}", f"train.micro_batch_tokens={budget}"])
+            worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+            result = worker.train_step(samples, tokens, len(samples["advantages"]))
+            outcomes.append((result, worker.state_dict()))
+        (whole, weights_whole), (split, weights_split) = outcomes
+        assert whole["micro_batches"] == 1 and split["micro_batches"] >= 3, (aggregation, split["micro_batches"])
+        assert split["num_tokens"] == whole["num_tokens"] == tokens
+        np.testing.assert_allclose(split["policy_loss"], whole["policy_loss"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(split["grad_norm"], whole["grad_norm"], rtol=1e-5)
+        np.testing.assert_allclose(split["entropy"], whole["entropy"], rtol=1e-5)
+        np.testing.assert_allclose(split["clip_fraction"], whole["clip_fraction"], atol=1e-9)
+        # Adam's first step is ~lr*sign(g): a gradient entry near 0 may flip sign under float
+        # reassociation, so bound the rare element by 2*lr and the average tightly.
+        for name in weights_whole:
+            diff = np.abs(weights_split[name] - weights_whole[name])
+            assert diff.mean() < 1e-7 and diff.max() <= 2.0 * cfg.train.lr + 1e-6, (name, diff.mean(), diff.max())
+
+
+def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[list[list[int]]]):
+    """The same train step written out in plain torch (no DeepSpeed, no TrainWorker code): per optimizer
+    step, forward the mini-batch, the policy loss with TIS (token: weight min(rho_t, C); sequence: min(prod
+    rho, C) in place of rho_t), KL to the reference and the entropy bonus, token_mean over the mini-batch's
+    trained tokens (or Dr. GRPO's sum over responses with a trained token x max_new_tokens), backward, clip,
+    AdamW. Multi-turn samples (`loss_masks`) train their policy tokens only. pi_prox is computed before the
+    first update when there are several, else it is the current log-probs. Returns (losses, grad norms,
+    weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from operators.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES
+
+    torch.manual_seed(cfg.train.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  weight_decay=cfg.train.weight_decay)
+    algo = cfg.algorithm
+
+    def tensors(indices):
+        seqs = [samples["prompt_token_ids"][i] + samples["response_token_ids"][i] for i in indices]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), model.config.pad_token_id or 0)
+        attention = torch.zeros_like(ids)
+        per_token = {key: torch.zeros(len(seqs), width - 1) for key in ("mask", "behave", "adv", "ref")}
+        for row, (i, seq) in enumerate(zip(indices, seqs)):
+            ids[row, :len(seq)], attention[row, :len(seq)] = torch.tensor(seq), 1
+            at = slice(len(samples["prompt_token_ids"][i]) - 1, len(seq) - 1)  # next-token positions
+            per_token["mask"][row, at] = torch.tensor([float(m) for m in samples["loss_masks"][i]]) \
+                if "loss_masks" in samples else 1.0
+            per_token["behave"][row, at] = torch.tensor(samples["behavior_logprobs"][i])
+            per_token["adv"][row, at] = samples["advantages"][i]
+            per_token["ref"][row, at] = torch.tensor(samples["ref_logprobs"][i])
+        return ids, attention, per_token
+
+    def logits_logprobs(ids, attention):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / cfg.rollout.temperature
+        return logits, torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    updates = cfg.train.ppo_epochs * cfg.train.mini_batches
+    everyone = list(range(len(samples["advantages"])))
+    if updates > 1:
+        with torch.no_grad():
+            ids, attention, _ = tensors(everyone)
+            prox_all = logits_logprobs(ids, attention)[1]  # [N, L-1]
+    losses, norms = [], []
+    for epoch_parts in partitions:
+        for indices in epoch_parts:
+            ids, attention, t = tensors(indices)
+            logits, logprobs = logits_logprobs(ids, attention)
+            prox = prox_all[indices][:, :logprobs.shape[1]] if updates > 1 else logprobs.detach()
+            options = dict(clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high)
+            if algo.policy_loss == "decoupled_ppo":
+                options.update(proximal_logprobs=prox, clip_ratio_c=algo.clip_ratio_c)
+            per_token, _ = POLICY_LOSSES.get(algo.policy_loss)(logprobs, t["behave"], t["adv"], t["mask"], **options)
+            log_rho = (prox - t["behave"]) * t["mask"]
+            if algo.tis == "token":  # effective behaviour weight min(rho, cap)
+                per_token = per_token * torch.clamp(algo.tis_cap / torch.exp(log_rho), max=1.0)
+            if algo.tis == "sequence":  # the response's prod rho, capped, in place of each token's rho
+                capped = torch.clamp(log_rho.sum(-1, keepdim=True), max=float(np.log(algo.tis_cap)))
+                per_token = per_token * torch.exp(capped - log_rho)
+            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+            per_token = per_token - algo.entropy_coef * entropy
+            per_token = per_token + algo.kl_coef * KL_ESTIMATORS.get(algo.kl_estimator)(logprobs, t["ref"])
+            if algo.loss_aggregation == "seq_mean_token_sum_norm":
+                responses = float((t["mask"].sum(-1) > 0).sum())
+                loss = (per_token * t["mask"]).sum() / (responses * cfg.rollout.max_new_tokens)
+            else:
+                loss = (per_token * t["mask"]).sum() / t["mask"].sum()
+            optimizer.zero_grad()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
+            optimizer.step()
+            losses.append(loss.item())
+    return losses, norms, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # today's update: ppo_clip, one optimizer step per train step
+    ["train.mini_batches=2"],
+    ["algorithm.policy_loss=decoupled_ppo", "train.ppo_epochs=2", "train.mini_batches=2", "algorithm.tis=token",
+     "algorithm.tis_cap=1.05", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.01",
+     "reference={}"],
+    "multi-turn",  # episodes: policy and observation tokens, one all-observation episode; Dr. GRPO, sequence TIS
+], ids=["ppo_clip-1x1", "ppo_clip-1x2", "decoupled_tis_kl_entropy-2x2", "episodes_dr_grpo_tis_sequence-2x2"])
+def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
+    """Loss, gradient norm and weights after a train step equal the plain-torch reference: ppo_epochs x
+    mini_batches optimizer steps, each on its own mini-batch, pi_prox fixed before the first of several."""
+    from operators.algorithms.correction import merge_mismatch
+    from operators.train import step_normalisers
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+
+    samples = _explode(step_samples(tiny_model_path))
+    if overrides == "multi-turn":
+        samples = episode_samples(tiny_model_path)
+        overrides = ["algorithm.advantage=dr_grpo", "algorithm.policy_loss=decoupled_ppo", "algorithm.tis=sequence",
+                     "algorithm.tis_cap=1.05", "train.ppo_epochs=2", "train.mini_batches=2"]
+    # reference log-probs a little off the behaviour ones, so the KL term is not 0
+    samples["ref_logprobs"] = [[lp - 0.3 for lp in lps] for lps in samples["behavior_logprobs"]]
+    tokens, sequences = step_normalisers(samples)
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"] + overrides)
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+    count = len(samples["advantages"])
+    partitions = [worker.mini_batches(count, epoch) for epoch in range(cfg.train.ppo_epochs)]
+    result = worker.train_step(samples, tokens, sequences)
+    losses, norms, weights = _reference_updates(tiny_model_path, samples, cfg, partitions)
+
+    assert result["optimizer_steps"] == len(losses) == cfg.train.ppo_epochs * cfg.train.mini_batches
+    assert worker.version == 1  # one policy version per train step, however many optimizer steps
+    np.testing.assert_allclose(result["policy_loss"], np.mean(losses), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose([result["grad_norm"], result["grad_norm_last"]], [norms[0], norms[-1]], rtol=1e-5)
+    # Adam's early steps are ~lr*sign(g): a gradient entry near 0 may flip sign under float reassociation,
+    # so bound the rare element by 2*lr per optimizer step and the average tightly.
+    for name, value in worker.state_dict().items():
+        diff = np.abs(value - weights[name])
+        assert diff.mean() < 1e-7 and diff.max() <= 2 * cfg.train.lr * len(losses), (name, diff.mean(), diff.max())
+    mismatch = merge_mismatch(result["mismatch"])
+    assert mismatch["is_tokens"] == tokens  # every token measured once, not once per epoch
+    if cfg.algorithm.tis != "none":
+        assert 0 < mismatch["tis_fraction"] < 1  # the cap 1.05 bites on some tokens, not all
+        assert result["kl_ref"] > 0
+
+
+def test_kl_without_reference_logprobs_is_refused(tiny_model_path):
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+
+    samples = _explode(step_samples(tiny_model_path))
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
+                             "algorithm.kl_coef=0.1", "reference={}"])  # configured, but no stage added them
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+    with pytest.raises(ValueError, match="algorithm.kl_coef is 0.1 but samples carry no ref_logprobs"):
+        worker.train_step(samples, 10, len(samples["advantages"]))
+    assert worker.version == 0
+
+
+def test_per_token_advantages_equal_broadcast_scalars(tiny_model_path):
+    """An advantage given per response token (GAE's shape) trains exactly like the same value given once."""
+    from operators.workers.train_worker import TrainWorker
+    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+
+    scalar = _explode(step_samples(tiny_model_path))
+    per_token = dict(scalar, advantages=[[a] * len(r) for a, r in zip(scalar["advantages"], scalar["response_token_ids"])])
+    tokens = sum(len(r) for r in scalar["response_token_ids"])
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"])
+    outcomes = []
+    for samples in (scalar, per_token):
+        worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+        outcomes.append((worker.train_step(samples, tokens, len(samples["advantages"])), worker.state_dict()))
+    (a, weights_a), (b, weights_b) = outcomes
+    assert a["policy_loss"] == b["policy_loss"] and a["grad_norm"] == b["grad_norm"]
+    assert all(np.array_equal(weights_a[k], weights_b[k]) for k in weights_a)
+    wrong = dict(per_token, advantages=[adv[:-1] for adv in per_token["advantages"]])
+    with pytest.raises(ValueError, match="advantages for"):
+        worker.train_step(wrong, tokens, len(wrong["advantages"]))
+
+
+def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_cluster, tiny_model_path, tmp_path):
+    """The Train operator in front of a real rank: REINFORCE++ advantages are whitened over the whole
+    step's tokens (mean 0, std 1 with each response counted once per token, as verl's masked_whiten and
+    OpenRLHF do; in the logged rollouts), and the mismatch statistics come per staleness level (the
+    groups were generated by versions 1 and 2 for step 2). The step's rollouts are a file the operator
+    wrote before its row left, named in the row and in the checkpoint's rows (a driver that dies before it
+    reads the row loses nothing)."""
+    import pandas as pd
+
+    from pipelines.recovery.checkpoint import CheckpointDir, StepCheckpoints
+    import ray
+
+    from operators.train import Train
+
+    cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
+                             "train.num_cpus=0.4"])
+    store = create_policy_store("trainer-test-whiten")
+    workers, _ = start_trainer_group(cfg, tiny_model_path, "trainer-test-whiten")
+    try:
+        rows = step_samples(tiny_model_path)
+        for index, row in enumerate(rows):
+            row.update(group_uid=f"g{index}", prompt_id=index, epoch=0, train_step=2, policy_version=1 + index,
+                       prompt="p", responses=["r"] * 4, response_lengths=[len(r) for r in row["response_token_ids"]],
+                       rewards=[1.0, 0.0, 0.0, 1.0], reward_errors=0, reward_timeouts=0,
+                       advantages=[1.0, 0.0, 0.0, 3.0] if index == 0 else [2.0, 2.0, 2.0, 4.0])
+        train = Train(workers, groups_per_step=2, total_steps=1, first_step=2, whiten_advantages="token",
+                      rollouts_dir=str(tmp_path / "rollouts"), checkpoints=StepCheckpoints(str(tmp_path / "run")))
+        (out,) = list(train(pd.DataFrame(rows)))
+        metrics = out.iloc[0]
+        assert "rollouts_parquet" not in metrics and metrics["rollouts_path"] == str(tmp_path / "rollouts" / "step_000002.parquet")
+        assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["step_000002.parquet"]  # no temporary left
+        (kept,) = CheckpointDir(tmp_path / "run").at_step(3).step_rows()
+        assert kept["rollouts_path"] == metrics["rollouts_path"] and kept["step"] == 2
+        logged = pd.read_parquet(metrics["rollouts_path"])
+        values = np.concatenate([np.asarray(a, dtype=float) for a in logged["advantages"]])
+        # values 1, 0, 0, 3, 2, 2, 2, 4, each weighted by its response's token count
+        raw = np.array([1, 0, 0, 3, 2, 2, 2, 4], dtype=float)
+        weights = np.array([len(r) for row in rows for r in row["response_token_ids"]], dtype=float)
+        assert len(set(weights)) > 1  # unequal lengths: token and response weighting differ here
+        mean = (weights * raw).sum() / weights.sum()
+        std = np.sqrt((weights * (raw - mean) ** 2).sum() / weights.sum())
+        np.testing.assert_allclose(values, (raw - mean) / (std + 1e-6), atol=1e-6)
+        assert sorted(logged["staleness"]) == [0, 1]
+        tokens = {level: metrics[f"is_tokens_staleness_{level}"] for level in (0, 1)}
+        assert tokens[0] + tokens[1] == metrics["is_tokens"] == sum(len(r) for row in rows for r in row["response_token_ids"])
+        assert metrics["policy_version"] == 3 and metrics["optimizer_steps"] == 1
+    finally:
+        for actor in [*workers, store]:
+            ray.kill(actor)
