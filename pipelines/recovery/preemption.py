@@ -15,7 +15,8 @@ resumes the run is printed, and `streamrl run` exits with PREEMPTED_EXIT (75, EX
 again). A second SIGTERM (or Ctrl-C) stops at once, exit 130, keeping every checkpoint written.
 
 The Train operator polls a `StopRequest` (operators import nothing of pipelines/: any object with
-`requested()` will do); the driver sets it through a small named actor.
+`requested()` will do): a channel that holds the handle of the job's flag actor, passed to the Train
+stage in its constructor kwargs, never looked up by name.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Preempted(BaseException):
 
 
 @ray.remote(num_cpus=0)
-class _StopFlag:
+class StopFlag:
     def __init__(self):
         self.set_at = None
 
@@ -67,20 +68,14 @@ class _StopFlag:
 
 
 class StopRequest:
-    """What the Train operator asks after each step: has a graceful stop been asked for? Picklable
-    (it travels to the Train stage's actor by name)."""
+    """What the Train operator asks after each step: has a graceful stop been asked for? Picklable: it
+    travels to the Train stage's actor with the flag actor's handle in it."""
 
-    def __init__(self, actor_name: str):
-        self.actor_name = actor_name
-        self._actor = None
+    def __init__(self, flag):
+        self.flag = flag
 
     def requested(self) -> bool:
-        if self._actor is None:
-            self._actor = ray.get_actor(self.actor_name)
-        return bool(ray.get(self._actor.is_set.remote()))
-
-    def __getstate__(self) -> dict:
-        return {"actor_name": self.actor_name, "_actor": None}
+        return bool(ray.get(self.flag.is_set.remote()))
 
 
 class Preemption:
@@ -103,14 +98,12 @@ class Preemption:
     def stop_request(self) -> StopRequest:
         """A StopRequest for this job's Train operator (the flag actor is made on first use)."""
         if self._flag is None:
-            name = f"streamrl-stop-{id(self):x}-{time.time_ns()}"
             from pipelines.runtime.placement import on_this_node
 
-            self._flag = _StopFlag.options(name=name, scheduling_strategy=on_this_node()).remote()
-            self._flag_name = name
+            self._flag = StopFlag.options(scheduling_strategy=on_this_node()).remote()
             if self.requested_at is not None:
                 self._flag.set.remote()
-        return StopRequest(self._flag_name)
+        return StopRequest(self._flag)
 
     def disarm(self) -> None:
         """The job is stopping (or has stopped): the grace watchdog must not interrupt its clean-up."""
