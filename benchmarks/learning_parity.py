@@ -67,7 +67,8 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     from pipelines.config.schema import load_config
-    from pipelines.job import init_ray, run_job
+    from pipelines.job import run_job
+    from pipelines.runtime.session import init_ray
 
     losses = args.losses.split(",")
     unknown = [loss for loss in losses if loss not in LOSSES]

@@ -86,25 +86,26 @@ def hops(timelines: list[dict], max_staleness: int, driver_times: dict[int, floa
 def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float], dict]:
     """Run the job; its timelines in step order, when the driver had each step's row, and the summary."""
     import pipelines.job as grpo
+    import pipelines.recovery.attempts as attempts  # where the job's loop reads the DAG's rows
     from pipelines.config.schema import load_config
 
     with tempfile.TemporaryDirectory(prefix="loop-latency-") as output_dir:
         cfg = load_config(config, [f"output_dir={output_dir}", *overrides])
         driver_times: dict[int, float] = {}
-        iter_steps = grpo.iter_steps
+        iter_steps = attempts.iter_steps
 
         def stamped(ds):  # when the driver has each step's row
             for row in iter_steps(ds):
                 driver_times[int(row["step"])] = time.time()
                 yield row
 
-        grpo.iter_steps = stamped
+        attempts.iter_steps = stamped
         try:
             start = time.perf_counter()
             result = grpo.run_job(cfg, echo=lambda line: None)
             wall = time.perf_counter() - start
         finally:
-            grpo.iter_steps = iter_steps
+            attempts.iter_steps = iter_steps
     metrics = result.metrics.sort_values("step")
     first, last = metrics.head(10), metrics.tail(10)
     summary = {

@@ -5,7 +5,7 @@
     python benchmarks/simulate_cluster.py --calibrate     # -> results/sim_calibration.json
 
 The DAG, scheduler, policy store, staleness gate, Ray Data backpressure, the rollout loop
-(`operators/engines/rollout.py`) and the Train operator are the real ones (`pipelines.job`); only the
+(`operators/engines/rollout.py`) and the Train operator are the real ones (`pipelines.dag`); only the
 engine (`benchmarks/sim_engine.py`, a continuous-batching cost model with the in-flight
 engine's pause/resume) and the trainer's compute (`sim_trainer.py`) are modelled.
 Accelerators are a Ray custom resource `sim_gpu`; one actor stands for a group of GPUs.
@@ -218,7 +218,7 @@ def init_sim_ray(gpus: int) -> None:
     import ray
     from ray import cloudpickle
 
-    from pipelines.job import WORKER_ENV
+    from pipelines.runtime.session import WORKER_ENV
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cloudpickle.register_pickle_by_value(sim_trainer)  # a script's neighbour, not an installed module
@@ -258,7 +258,7 @@ def run_layout(layout: Layout, cost: CostModel, steps: int, workdir: Path) -> di
     """Run the real DAG once under `layout`; return per-step times (real), metrics rows and engine records."""
     import ray
 
-    from pipelines.job import build_rl_dataset, iter_steps, schedule_groups
+    from pipelines.dag import build_rl_dataset, iter_steps, schedule_groups
     from pipelines.runtime.policy_store import create_policy_store
 
     tag = uuid.uuid4().hex[:8]
@@ -535,7 +535,7 @@ def _measure_train(path: Path) -> dict:
     import ray
 
     from operators.workers.train_worker import TrainerSettings, TrainWorker
-    from pipelines.job import init_ray
+    from pipelines.runtime.session import init_ray
     from pipelines.runtime.policy_store import create_policy_store
     from pipelines.runtime.trainer_group import _free_port
 

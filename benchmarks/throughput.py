@@ -103,7 +103,8 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     from operators.train import _explode
     from operators.workers.train_worker import TrainWorker
     from pipelines.data.datasets import load_prompts
-    from pipelines.job import engine_options, schedule_groups
+    from pipelines.dag import schedule_groups
+    from pipelines.stages import engine_options
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
     torch.set_num_threads(cfg.train.torch_threads)
@@ -145,7 +146,8 @@ def run_plain(cfg, model_path: str) -> list[dict]:
 def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | None, dict]:
     import ray
 
-    from pipelines.job import init_ray, run_job
+    from pipelines.job import run_job
+    from pipelines.runtime.session import init_ray
 
     init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=cfg.ray.object_store_memory_mb)
     try:

@@ -46,7 +46,8 @@ LATENCIES = {
 def run_one(mode: str, latency: str, steps: int, output_dir: str) -> dict:
     """In a child process: one job; its figures."""
     from pipelines.config.schema import load_config
-    from pipelines.job import init_ray, run_job
+    from pipelines.job import run_job
+    from pipelines.runtime.session import init_ray
     from pipelines.tracking.timeline import overlap_report
 
     overrides = [f"output_dir={output_dir}", f"train.steps={steps}", "eval=null", "tracking.enabled=false",

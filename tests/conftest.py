@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def ray_cluster():
     import ray
 
-    from pipelines.job import init_ray
+    from pipelines.runtime.session import init_ray
 
     init_ray(num_cpus=2, object_store_memory_mb=512)
     yield ray

@@ -189,7 +189,7 @@ def eval_dataset(frames: list[pd.DataFrame], model_path: str, settings: EvalSett
 
 
 def _score(frames, cfg: JobConfig, settings: EvalSettings, checkpoint: Checkpoint, echo) -> pd.DataFrame:
-    from pipelines.job import engine_options
+    from pipelines.stages import engine_options
 
     parts, total = [], sum(len(frame) for frame in frames)
     started = time.perf_counter()
@@ -210,7 +210,7 @@ def _score(frames, cfg: JobConfig, settings: EvalSettings, checkpoint: Checkpoin
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Checkpoint, output: str | None = None,
                         echo: Callable[[str], None] = print) -> EvalResult:
     """Score `checkpoint` on cfg.eval.data; log an MLflow run linked to the training run (tracking.enabled)."""
-    from pipelines.job import ray_session
+    from pipelines.runtime.session import ray_session
 
     settings = EvalSettings.of(cfg)
     prompts, source = load_eval_prompts(cfg, str(checkpoint.path), echo)  # bad rows: exit 2, nothing started

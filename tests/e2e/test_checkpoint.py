@@ -150,7 +150,7 @@ def test_nonfinite_loss_is_skipped_or_stops_and_nan_weights_are_never_published(
 
 def test_resume_refuses_a_different_config_or_dataset(tmp_path):
     from pipelines.data.datasets import load_prompts
-    from pipelines.job import schedule_groups
+    from pipelines.dag import schedule_groups
 
     cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml", ["train.steps=4", "data.num_prompts=64",
                                                              f"output_dir={tmp_path}"])

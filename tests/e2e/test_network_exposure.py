@@ -1,4 +1,4 @@
-"""What a local cluster started by streamrl (pipelines.job.init_ray) listens on, and whether it asks for a token.
+"""What a local cluster started by streamrl (pipelines.runtime.session.init_ray) listens on, and whether it asks for a token.
 
 The cluster runs in a child process of its own: a clean environment (no RAY_ADDRESS, no token, an empty
 HOME so no ~/.ray/auth_token), and no clash with the session's cluster (conftest.ray_cluster)."""
@@ -21,7 +21,7 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 SCRIPT = r"""
 import json, os, urllib.error, urllib.request
 import psutil, ray
-from pipelines.job import init_ray
+from pipelines.runtime.session import init_ray
 from pipelines.runtime.submit import check_job_server
 
 init_ray(num_cpus=2, object_store_memory_mb=200, include_dashboard=True, dashboard_host="127.0.0.1")

@@ -104,7 +104,8 @@ def test_the_heartbeat_notices_a_lost_lease(tmp_path):
 def test_resume_while_another_process_writes_the_run_is_refused_and_touches_nothing(tmp_path, tiny_model_path):
     from pipelines.recovery.checkpoint import dataset_digest
     from pipelines.data.datasets import load_prompts
-    from pipelines.job import run_job, schedule_groups
+    from pipelines.dag import schedule_groups
+    from pipelines.job import run_job
     from pipelines.recovery.resume import run_file_info
 
     cfg = load_config("configs/tiny_grpo.yaml", [f"output_dir={tmp_path}", "tracking.enabled=false",
@@ -178,7 +179,7 @@ def test_short_of_room_the_oldest_checkpoint_goes_before_the_write_then_the_need
 
 
 def test_a_full_disk_fails_the_attempt_as_restartable_and_the_job_waits_for_room(small_disk):
-    from pipelines.job import wait_for_space
+    from pipelines.recovery.attempts import wait_for_space
 
     failure = AttemptFailed.from_exception(DiskFullError(errno.ENOSPC, "the checkpoint of step 10 needs ..."))
     assert is_disk_full_failure(failure) and not failure.process_death

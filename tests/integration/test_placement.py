@@ -79,7 +79,7 @@ def test_a_tensor_parallel_engine_must_fit_one_node():
 
 
 def test_engine_options_name_the_executor():
-    from pipelines.job import engine_options
+    from pipelines.stages import engine_options
 
     def options(*overrides, replica_group=True):
         cfg = load_config(TINY, ["rollout.engine=vllm", *overrides]) if vllm_installed() else None
@@ -196,7 +196,7 @@ def _map_ops(ds) -> dict[str, object]:
 
 
 def _build(cfg, model_path):
-    from pipelines.job import build_rl_dataset, schedule_groups
+    from pipelines.dag import build_rl_dataset, schedule_groups
     from pipelines.runtime.resources import stage_options
 
     schedule = schedule_groups(pd.DataFrame({"prompt": ["1+1="], "prompt_id": ["p0"]}), cfg)

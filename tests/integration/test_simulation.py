@@ -171,7 +171,7 @@ def run_sim(ray, tmp_path: Path, max_staleness: int, cost: CostModel, **rollout)
     from ray import cloudpickle
 
     from pipelines.config.schema import load_config
-    from pipelines.job import build_rl_dataset, iter_steps, schedule_groups
+    from pipelines.dag import build_rl_dataset, iter_steps, schedule_groups
     from pipelines.runtime.policy_store import create_policy_store
 
     cloudpickle.register_pickle_by_value(sim_trainer)

@@ -158,7 +158,7 @@ def _model_folder(tmp_path, **dims):
 
 
 def test_an_object_store_too_small_for_the_weights_is_refused_with_the_fix(tmp_path):
-    from pipelines.job import check_object_store
+    from pipelines.runtime.session import check_object_store
     from pipelines.runtime.memory import weight_channel_mb
 
     folder = _model_folder(tmp_path)
@@ -179,7 +179,7 @@ def test_an_object_store_too_small_for_the_weights_is_refused_with_the_fix(tmp_p
 
 def test_the_running_cluster_object_store_is_checked(ray_cluster, tmp_path):
     """No size given: the smallest live node's object store (512 MB in the test cluster)."""
-    from pipelines.job import check_object_store
+    from pipelines.runtime.session import check_object_store
 
     with pytest.raises(ConfigError, match="smallest node's object store has 512 MB"):
         check_object_store(load_config(None, []), _model_folder(tmp_path))

@@ -178,7 +178,7 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
 
 
 def test_generate_actors_a_count_or_a_range(tmp_path):
-    from pipelines.job import pool_size
+    from pipelines.stages import pool_size
     from pipelines.runtime.resources import demands
 
     for given in ("1-4", "[1, 4]", " 1 - 4 "):

@@ -19,7 +19,7 @@ def test_the_schedule_copies_the_dataset_once_per_epoch_at_real_sizes():
     """configs/gpu/gpu_8.yaml's 500 steps x 64 groups over 7,473 prompts (GSM8K's train split): 32,000 groups
     in 5 epochs (each prompt once per epoch, the last one cut short), built in well under 100 MB. Copying
     the dataset once per group made 32,000 shuffled copies (239M rows) and ran the driver out of memory."""
-    from pipelines.job import schedule_groups
+    from pipelines.dag import schedule_groups
 
     cfg = load_config(None, ["train.steps=500", "train.groups_per_step=64", "rollout.groups_per_call=8"])
     rows = 7473

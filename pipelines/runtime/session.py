@@ -1,0 +1,101 @@
+"""The job's Ray session: join a cluster or start a local one (loopback only, token auth), with the
+environment every Ray worker gets; `ray_session` uses the caller's Ray if there is one, and
+`check_object_store` refuses a session whose object stores cannot hold the weight channel."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.runtime.memory import object_store_problem
+
+# Set in every Ray worker: quiet libraries, no hub access, CPU DeepSpeed unless a trainer rank has a GPU
+# (trainer_group sets DS_ACCELERATOR per rank).
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    # vLLM logs every engine's whole config at INFO (pages per engine on a real model); warnings still show
+    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+}
+
+
+def init_ray(
+    address: str | None = None, num_cpus: int | None = None, object_store_memory_mb: int = 512,
+    include_dashboard: bool = False, dashboard_host: str = "127.0.0.1",
+) -> None:
+    """Join the cluster at `address`, or the one a submitted job runs in (Ray sets RAY_ADDRESS
+    for job drivers); otherwise start a local one bound to 127.0.0.1 with token authentication,
+    its dashboard (if any) on `dashboard_host`."""
+    level = os.environ.get("STREAMRL_RAY_LOG_LEVEL", "warning")
+    logging.getLogger("ray.data").setLevel(level.upper())  # Ray Data logs each dataset's progress at INFO
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        # The cluster's own RAY_AUTH_MODE and token (in this environment, or the job's) decide: forcing
+        # `disabled` would fail against a cluster that enforces tokens, and is not ours to choose.
+        ray.init(address=address, logging_level=level, runtime_env={"env_vars": WORKER_ENV})
+        return
+    # Ray 2.60 turns token auth on for a new local cluster unless RAY_AUTH_MODE says otherwise; it
+    # guards the loopback ports against other users of this machine. The user's token (env, token
+    # file, `ray get-auth-token --generate`) is used if there is one; else a random one for this
+    # process, so that nothing is written to ~/.ray and concurrent jobs cannot race on that file.
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").exists()):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # Loopback only. On Linux Ray 2.60 replaces a loopback node IP by the machine's address (it expects
+    # other nodes to join) and then binds GCS, raylet, object manager, workers and agents to every
+    # interface; with the single-node switch it uses on macOS/Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)
+    # the node IP stays 127.0.0.1 and every one of them, metrics servers included, binds 127.0.0.1
+    # (tests/e2e/test_network_exposure.py). Ray read that variable when imported, so its constant is
+    # switched around this call only: other clusters this process joins are left as Ray sees them.
+    from ray._private import ray_constants
+
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            logging_level=level,
+            runtime_env={"env_vars": WORKER_ENV},
+            _node_ip_address="127.0.0.1",
+            num_cpus=num_cpus, object_store_memory=object_store_memory_mb * 2**20,
+            include_dashboard=include_dashboard, dashboard_host=dashboard_host,
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
+
+
+@contextlib.contextmanager
+def ray_session(cfg: JobConfig):
+    """Use the caller's Ray (a test, a notebook), else start or join one for this job."""
+    if ray.is_initialized():
+        yield
+        return
+    init_ray(
+        cfg.ray.address, cfg.ray.num_cpus, cfg.ray.object_store_memory_mb,
+        cfg.ray.include_dashboard, cfg.ray.dashboard_host,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def check_object_store(cfg: JobConfig, model_path: str, store_mb: float | None = None, where: str = "") -> None:
+    """Refuse (ConfigError) an object store too small for the weight channel (pipelines/runtime/memory.py).
+    `store_mb` None: the smallest object store of the connected cluster's live nodes."""
+    if store_mb is None:
+        sizes = [node["Resources"].get("object_store_memory", 0) / 2**20 for node in ray.nodes() if node.get("Alive")]
+        if not sizes:
+            return
+        store_mb, where = min(sizes), "smallest node's"
+    problem = object_store_problem(cfg, model_path, store_mb, where)
+    if problem:
+        raise ConfigError([("ray.object_store_memory_mb", problem.split(": ", 1)[1])])

@@ -1,0 +1,216 @@
+"""The GRPO job as a list of stages: what each stage of the Ray Data DAG runs, and how.
+
+    schedule (prompt groups, each tagged with the train step it will feed)
+      -> Generate   actor pool; admission-gated on the policy store (>= step - max_staleness)
+      -> Reward     actor pool; weighted reward functions, failures contained (reward.placement
+                    "generate": in the generate actors instead, one stage: GenerateReward)
+      -> [Reference] a frozen reference policy's log-probs (the config's reference section)
+      -> [Value]    PPO with a critic: per-token values from the critic store (its own DeepSpeed group)
+      -> Advantage  group-relative estimator, or GAE from the values   } one stage, one actor
+      -> Train      buffers a step's groups, steps the DeepSpeed group,  } (operators/chain.py)
+                    publishes weights
+
+A `Stage` is a value: the callable class, its constructor arguments, and the `map_batches` options
+(compute strategy, batch size and format, Ray options per actor), the way Ray Data LLM's
+`StatefulStage` describes a stage before its `Processor` maps it. `stages(cfg, ...)` makes the list
+from the config; pipelines/dag.py maps it onto the schedule. Nothing here starts an actor or touches
+Ray Data's global context.
+
+The helpers that only shape a stage live here too: `engine_options` (the generate engine's
+constructor options, also the evaluator's), `pool_size` (an actor pool's size), `replica_placement`
+(the generate actors' placement groups) and `TRAIN_CALLS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.data import ActorPoolStrategy
+
+from operators.advantage import Advantage
+from operators.chain import Chain
+from operators.generate import Generate
+from operators.ref_logprob import RefLogprob
+from operators.reward import Reward
+from operators.train import Train
+from operators.value import Value
+from pipelines.config.schema import JobConfig, ModelConfig
+from pipelines.data.models import resolve_model_path
+from pipelines.runtime.placement import ReplicaPlacement, engine_bundles, vllm_executor_backend
+from pipelines.runtime.resources import DAG_HELPER_CPUS
+from pipelines.runtime.trainer_group import advantage_options, train_options
+
+# Calls the last stage runs at once: one trains, the others take in groups meanwhile.
+TRAIN_CALLS = 4
+
+
+class AdvantageTrain(Chain):
+    """The RL DAG's last stage: Advantage, then Train, in one actor."""
+
+
+class GenerateReward(Chain):
+    """The RL DAG's first stage with reward.placement "generate": Generate, then Reward, in one actor."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the RL DAG: `Dataset.map_batches(fn, fn_constructor_kwargs=kwargs, compute=compute,
+    batch_size=batch_size, batch_format=batch_format)` with Ray `options` per actor (map_stage: named
+    resources, actor options such as max_restarts, `ray_remote_args_fn`). `requires`/`produces`: the
+    main columns it reads and adds (documentation; every stage passes the other columns through)."""
+
+    fn: type
+    kwargs: dict[str, Any]
+    compute: ActorPoolStrategy
+    options: dict[str, Any] = field(default_factory=dict)
+    # None: one block is one call (a generate call never spans two steps)
+    batch_size: int | None = None
+    batch_format: str = "pandas"
+    requires: tuple[str, ...] = ()
+    produces: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False,
+                   replica_group: bool = False) -> dict:
+    """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form).
+    `replica_group`: the engine runs in a generate replica's placement group (replica_placement), whose GPU
+    bundles vLLM's Ray executor fills; otherwise a tensor-parallel engine uses the GPUs its actor holds."""
+    options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
+    if (engine or cfg.rollout.engine) == "vllm":
+        options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
+        if in_flight:
+            options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
+        backend = vllm_executor_backend(cfg.rollout.vllm.tensor_parallel_size,
+                                        cfg.rollout.num_gpus if replica_group else 0)
+        if backend is not None:
+            options["distributed_executor_backend"] = backend
+    return options
+
+
+def pool_size(low: int, high: int) -> dict:
+    """ActorPoolStrategy's size arguments: a fixed pool, or Ray Data's autoscaling pool from `low` to `high`
+    (it starts `low` actors, adds one while every actor is busy and the cluster has room, and removes idle
+    ones; a new generate actor pulls the newest policy version before its first group)."""
+    return {"size": low} if low == high else {"min_size": low, "max_size": high, "initial_size": low}
+
+
+def replica_placement(cfg: JobConfig) -> ReplicaPlacement | None:
+    """A placement group per generate actor when one engine spans several devices (None otherwise: a
+    one-device engine is one actor's reservation, which Ray already keeps on one node). Whoever runs the
+    DAG calls `release()` when it ends (pipelines/recovery/attempts.py: run_attempt)."""
+    rollout = cfg.rollout
+    if rollout.vllm.tensor_parallel_size == 1:
+        return None
+    return ReplicaPlacement(
+        engine_bundles(rollout.vllm.tensor_parallel_size, rollout.num_cpus, rollout.num_gpus, rollout.resources),
+        replicas=rollout.min_actors,  # a count: a range needs tensor_parallel_size 1 (config)
+    )
+
+
+GENERATE_REQUIRES = ("prompt", "train_step", "group_uid")
+GENERATE_PRODUCES = ("prompt_token_ids", "responses", "response_token_ids", "behavior_logprobs", "policy_version")
+REWARD_PRODUCES = ("rewards", "reward_errors", "reward_timeouts")
+
+
+def stages(cfg: JobConfig, model_path: str, store: str, workers, remote_args: dict[str, dict] | None = None,
+           first_step: int = 0, checkpoint_options: dict | None = None, critics=None,
+           replicas: ReplicaPlacement | None = None) -> list[Stage]:
+    """The RL DAG's stages, in order. `store`: the policy store's name; `workers`: the trainer group.
+    `remote_args` adds Ray options per stage ("generate", "reward", "reference"), e.g.
+    {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}. The schedule starts at
+    `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
+    critic group (start_critic_group) when the config has a critic. `replicas`: the generate actors'
+    placement groups (replica_placement(cfg)) when an engine spans several devices, else None."""
+    remote_args = remote_args or {}
+    generate_options = {"num_cpus": cfg.rollout.num_cpus, **remote_args.get("generate", {})}
+    if replicas is not None:  # the group holds the engine's GPUs (vLLM's workers take them), the actor none
+        generate_options.update(num_gpus=None, ray_remote_args_fn=replicas)
+    in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
+    queued = calls if in_flight else 2
+    generate = dict(
+        model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
+        max_staleness=cfg.train.max_staleness,
+        engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None),
+        in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
+        partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
+        **cfg.prompt_options(),
+    )
+    if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
+        env = cfg.rollout.environment
+        generate.update(environment=env.name, environment_options=cfg.environment_options(), max_turns=env.max_turns,
+                        max_episode_tokens=env.max_episode_tokens)
+    reward = dict(
+        functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
+        timeout_s=cfg.reward.timeout_s, timestamps=True, limits=cfg.sandbox.limits(),
+    )
+    # reward.placement "generate": each group is scored in the generate actor that sampled it (one stage,
+    # one executor hop less on the loop); "stage": a reward actor pool of its own.
+    in_generate = cfg.reward.placement == "generate"
+    out = [Stage(
+        GenerateReward if in_generate else Generate,
+        dict(stages=[(Generate, generate), (Reward, reward)]) if in_generate else generate,
+        # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
+        # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time, with the
+        # next one already queued at the actor (it starts the moment its version is out, not one executor
+        # round trip after the previous call ended).
+        ActorPoolStrategy(**pool_size(cfg.rollout.min_actors, cfg.rollout.max_actors),
+                          max_tasks_in_flight_per_actor=queued,
+                          max_concurrent_calls_per_actor=calls if in_flight else None,
+                          enable_true_multi_threading=True if in_flight else None),
+        generate_options, requires=GENERATE_REQUIRES,
+        produces=GENERATE_PRODUCES + (REWARD_PRODUCES if in_generate else ()),
+    )]
+    if not in_generate:
+        out.append(Stage(Reward, reward, ActorPoolStrategy(size=cfg.reward.num_actors),
+                         {"num_cpus": cfg.reward.num_cpus, **remote_args.get("reward", {})},
+                         requires=("responses",), produces=REWARD_PRODUCES))
+    if cfg.reference is not None:  # the design's ref_logprob stage: log-probs of a frozen reference policy
+        ref = cfg.reference
+        out.append(Stage(
+            RefLogprob,
+            dict(
+                model_path=(resolve_model_path(ModelConfig(path=ref.model_path), "reference.model_path")
+                            if ref.model_path and ref.model_path != cfg.model.path else model_path),
+                temperature=cfg.rollout.temperature, micro_batch_tokens=ref.micro_batch_tokens,
+                torch_threads=ref.torch_threads, dtype=ref.dtype, trust_remote_code=cfg.model.trust_remote_code,
+            ),
+            ActorPoolStrategy(size=ref.num_actors), {"num_cpus": ref.num_cpus, **remote_args.get("reference", {})},
+            requires=("prompt_token_ids", "response_token_ids"), produces=("ref_logprobs",),
+        ))
+    if critics is not None:
+        out.append(Stage(
+            Value,
+            dict(model_path=critics.model_path, value_store=critics.store_name, torch_threads=cfg.critic.torch_threads,
+                 trust_remote_code=cfg.model.trust_remote_code),
+            ActorPoolStrategy(size=1), {"num_cpus": cfg.critic.value_num_cpus},
+            requires=("prompt_token_ids", "response_token_ids"), produces=("values", "critic_version"),
+        ))
+    # Advantage runs in the Train stage's actor: one executor trip less on the loop (operators/chain.py).
+    # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
+    # last checkpoint instead (pipelines/recovery/attempts.py).
+    out.append(Stage(
+        AdvantageTrain,
+        dict(stages=[
+            (Advantage, advantage_options(cfg)),
+            (Train, dict(
+                workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
+                generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
+                first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
+                critics=list(critics or []), **(checkpoint_options or {}),
+            )),
+        ]),
+        # Calls side by side (threads): the next step's groups are taken in while a step trains, so that
+        # step starts the moment this one ends (operators.train.Train is safe for it).
+        ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=TRAIN_CALLS,
+                          max_concurrent_calls_per_actor=TRAIN_CALLS, enable_true_multi_threading=True),
+        {"num_cpus": DAG_HELPER_CPUS, "max_restarts": 0},
+        requires=("train_step", "group_uid", "rewards"), produces=("step", "timeline", "checkpoint_path"),
+    ))
+    return out
