@@ -16,6 +16,7 @@ SIGTERM after a checkpoint (train.on_preempt; resumable, the command is printed)
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from pipelines.config.schema import ConfigError, load_config
@@ -170,8 +171,15 @@ def _run(args, cfg) -> int:
     return 0
 
 
+def quiet_libraries() -> None:
+    """The command line prints streamrl's own lines: MLflow's INFO lines on creating or upgrading the
+    sqlite store's tables (every first run) go. Warnings and errors of every library still show."""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    quiet_libraries()
     if args.command == "submit":
         return _submit(args)
     if args.command == "lineage":

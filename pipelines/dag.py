@@ -9,6 +9,7 @@ The only loop is the weight channel (train -> policy store -> generate), outside
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterator
 
@@ -104,6 +105,12 @@ def configure_data_context(cfg: JobConfig, replicas: ReplicaPlacement | None = N
     # (pipelines/tracking/progress.py); STREAMRL_RAY_PROGRESS=1 shows the bars.
     ctx.enable_progress_bars = os.environ.get("STREAMRL_RAY_PROGRESS") == "1"
     ctx.print_on_execution_start = False
+    if not ctx.enable_progress_bars:  # Ray Data warns that the bars are off, which is this line's choice
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # Ray Data's high-memory detector compares each actor's memory with a 0-byte request and suggests a
+    # `memory=` option, 30 s into every job: the job sizes memory itself (pipelines/runtime/memory.py,
+    # `streamrl validate`), so the warning only confuses. Its other detectors (hanging tasks) stay on.
+    ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
     shorten_scheduling_wait()  # 10 ms rounds: a hop between stages waits less (see the function)
     drop_object_store_budget(ctx)  # a ready group is not held behind a long call (see the function)
     if replicas is not None:  # no extra placement group for Ray Data's memory probe (runtime/placement.py)

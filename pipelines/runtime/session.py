@@ -60,6 +60,11 @@ def init_ray(
 
     multi_node = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
+    # Ray warns at start-up that token authentication is on and how to turn it off: here it is on by this
+    # function's choice (a random token for this process, loopback ports), so the warning is not the user's.
+    token_setup = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    token_level = token_setup.level
+    token_setup.setLevel(logging.ERROR)
     try:
         ray.init(
             logging_level=level,
@@ -70,6 +75,7 @@ def init_ray(
         )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
+        token_setup.setLevel(token_level)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,10 @@ def _short(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 1e6 else f"{value:.3g}"
 
 
+MIN_RATE_STEPS = 2  # steps measured after the first before a time-left estimate
+MIN_RATE_S = 1.0  # seconds they must span
+
+
 class Progress:
     def __init__(self, total_steps: int, echo: Callable[[str], None] = print, first_step: int = 0):
         """`first_step`: steps already done before this process (a resumed job)."""
@@ -41,13 +45,23 @@ class Progress:
         elapsed = now - self.start
         if self.first_step_end is None:  # start-up (actors, first weights) is not a step's cost
             self.first_step_end = now
-        per_step = (now - self.first_step_end) / (self.timed - 1) if self.timed > 1 else elapsed
-        left = per_step * (self.total_steps - self.done)
+        left = self.time_left(now)
         value = {key: _number(row.get(key)) for key in (
             "reward_mean", "success_rate", "policy_loss", "staleness_mean", "staleness_max", "tokens_per_s")}
         self.echo(
             f"step {int(row['step']) + 1:>4}/{self.total_steps}"
             f" | reward {_short(value['reward_mean'])} | success {value['success_rate']:.2f}"
             f" | loss {value['policy_loss']:+.4f} | staleness {value['staleness_mean']:.1f}/{value['staleness_max']:.0f}"
-            f" | {value['tokens_per_s']:,.0f} tok/s | elapsed {_duration(elapsed)} | left {_duration(left)}"
+            f" | {value['tokens_per_s']:,.0f} tok/s | elapsed {_duration(elapsed)} | left {left}"
         )
+
+    def time_left(self, now: float) -> str:
+        """The steps left at the rate measured since the first step of this (re)start ended. Start-up is no
+        step's cost, and steps arrive in bursts at first (a burst of ten in a few ms rates them at ~0 s each),
+        so nothing is estimated until MIN_RATE_STEPS steps over MIN_RATE_S seconds were measured."""
+        if self.done >= self.total_steps:
+            return "0s"
+        measured = now - self.first_step_end
+        if self.timed - 1 < MIN_RATE_STEPS or measured < MIN_RATE_S:
+            return "-"
+        return _duration(measured / (self.timed - 1) * (self.total_steps - self.done))
