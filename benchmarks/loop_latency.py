@@ -86,7 +86,7 @@ def hops(timelines: list[dict], max_staleness: int, driver_times: dict[int, floa
 def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float], dict]:
     """Run the job; its timelines in step order, when the driver had each step's row, and the summary."""
     import pipelines.job as grpo
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
 
     with tempfile.TemporaryDirectory(prefix="loop-latency-") as output_dir:
         cfg = load_config(config, [f"output_dir={output_dir}", *overrides])

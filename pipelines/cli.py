@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 
 EXIT_BAD_CONFIG = 2
 

@@ -45,7 +45,8 @@ from pathlib import Path
 import pandas as pd
 
 from operators.durable import is_disk_full
-from pipelines.config.schema import BUILTIN_DATASET_PREFIX, JobConfig, flatten
+from pipelines.config.schema import BUILTIN_DATASET_PREFIX, JobConfig
+from pipelines.config.load import flatten
 
 PACKAGES = ("torch", "ray", "deepspeed", "mlflow", "transformers", "pyarrow", "pydantic", "streamrl")
 NON_METRIC_COLUMNS = {"step", "rollouts_parquet", "rollouts_path", "stopped"}  # stopped: the last step of a graceful stop
