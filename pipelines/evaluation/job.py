@@ -254,7 +254,7 @@ class EvalTracking:
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
         from pipelines.config.load import flatten
-        from pipelines.tracking.tracker import log_dataset_input
+        from pipelines.tracking.run_inputs import log_dataset_input
 
         self.client = client = MlflowClient(cfg.tracking_uri())
         self.step = checkpoint.step
