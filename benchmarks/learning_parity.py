@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.job import run_job
     from pipelines.runtime.session import init_ray
 

@@ -87,7 +87,7 @@ def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float]
     """Run the job; its timelines in step order, when the driver had each step's row, and the summary."""
     import pipelines.job as grpo
     import pipelines.recovery.attempts as attempts  # where the job's loop reads the DAG's rows
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
 
     with tempfile.TemporaryDirectory(prefix="loop-latency-") as output_dir:
         cfg = load_config(config, [f"output_dir={output_dir}", *overrides])

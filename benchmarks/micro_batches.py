@@ -32,7 +32,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     from operators.workers.train_worker import TrainWorker
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
     from throughput import build_bench_model
 

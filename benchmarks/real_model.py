@@ -33,7 +33,7 @@ MISMATCH_METRICS = ("mismatch_k3", "mismatch_k1", "is_ratio_p50", "is_ratio_p99"
 
 
 def _job(config: str, overrides: list[str], echo=print):
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.job import run_job
 
     cfg = load_config(config, overrides)

@@ -228,7 +228,7 @@ def init_sim_ray(gpus: int) -> None:
 
 
 def job_config(layout: Layout, steps: int):
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
 
     overrides = {
         "train.steps": steps, "train.groups_per_step": GROUPS_PER_STEP, "train.max_staleness": layout.max_staleness,

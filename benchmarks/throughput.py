@@ -75,7 +75,7 @@ DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
 
 
 def mode_config(mode: str, model_path: str, args):
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
 
     spec = MODES[mode]
     overrides = [
@@ -294,7 +294,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 def log_to_mlflow(record: dict, json_path: Path, png_path: Path) -> str:
     import mlflow
 
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
 
     cfg = load_config(CONFIG)
     mlflow.set_tracking_uri(cfg.tracking_uri())

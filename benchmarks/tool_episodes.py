@@ -45,7 +45,7 @@ LATENCIES = {
 
 def run_one(mode: str, latency: str, steps: int, output_dir: str) -> dict:
     """In a child process: one job; its figures."""
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.job import run_job
     from pipelines.runtime.session import init_ray
     from pipelines.tracking.timeline import overlap_report

@@ -72,7 +72,7 @@ def child(model: str, count: int, budget: int, threads: int) -> dict:
     import resource
 
     from operators.workers.train_worker import TrainWorker
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
     samples = make_samples(count)

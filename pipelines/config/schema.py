@@ -1,8 +1,14 @@
 """Typed, described job configuration, validated all at once before anything starts.
 
 A config is YAML. Every field below has a description and a default; unknown keys are
-errors. `load_config` returns a `JobConfig` or raises `ConfigError`, whose message lists
-every problem with its field path and the fix, so a user fixes the file in one pass.
+errors. `load_config` (pipelines/config/load.py) returns a `JobConfig` or raises `ConfigError`,
+whose message lists every problem with its field path and the fix, so a user fixes the file in
+one pass.
+
+This module is the schema and its cross-field rules only: it imports no other pipelines module.
+Reading files and `--set` overrides are pipelines/config/load.py's; what a config names in the
+world (dataset files, models, the cluster) is pipelines/config/world.py's, which gives the schema
+its model path check through pydantic's validation context (see `MODEL_PATH_CHECK`).
 """
 
 from __future__ import annotations
@@ -10,15 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationInfo,
                       field_validator, model_validator)
 
-from pipelines.data import models as _models  # standard library only at import: validation stays free of torch
-
-BUILTIN_MODEL_PREFIX = _models.BUILTIN_PREFIX
 BUILTIN_DATASET_PREFIX = "builtin:"
-BUILTIN_MODELS = _models.BUILTIN_MODELS  # what each is, and how it is built: pipelines/data/models.py
 # builtin:arithmetic is every single-digit addition problem; -train and -heldout split them (80/20, a fixed
 # split): train on one, evaluate on the other (eval.data) to see what RL does to problems it never trained on.
 BUILTIN_DATASET_SPLITS = {"arithmetic": "all", "arithmetic-train": "train", "arithmetic-heldout": "heldout",
@@ -27,10 +28,20 @@ BUILTIN_DATASETS = tuple(BUILTIN_DATASET_SPLITS)
 DATASET_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
 
+class CrossFieldProblems(ValueError):
+    """Problems a model validator found, each naming its own full field path ('full.field.path: message'),
+    where pydantic would put them at the path of the section whose validator raised them. pydantic keeps the
+    exception (its error's ctx['error']), and pipelines/config/load.py lists each problem at its own path."""
+
+    def __init__(self, lines: list[str]):
+        self.problems = [(path, text) for path, _, text in (line.partition(": ") for line in lines)]
+        super().__init__("\n".join(lines))
+
+
 def _raise_at(problems: list[str]) -> None:
     """Raise cross-field problems, each 'full.field.path: message', from a model validator."""
     if problems:
-        raise ValueError("\n".join("@" + line for line in problems))
+        raise CrossFieldProblems(problems)
 
 
 class ConfigError(Exception):
@@ -113,15 +124,25 @@ class ModelConfig(_Section):
 
     @field_validator("path")
     @classmethod
-    def _model_exists(cls, path: str) -> str:
-        return _model_folder(path, "model.path")
+    def _model_exists(cls, path: str, info: ValidationInfo) -> str:
+        return _model_folder(path, "model.path", info)
 
 
-def _model_folder(path: str, field_name: str) -> str:
+# The key of pydantic's validation context under which the model path check is given:
+# check(path, field name) -> the path (a local folder resolved), or ValueError naming the fix.
+MODEL_PATH_CHECK = "model_path_check"
+
+
+def _model_folder(path: str, field_name: str, info: ValidationInfo) -> str:
     """A builtin model name, a Hub id, or a local save_pretrained folder (resolved); ValueError otherwise.
+    The check is pipelines/data/models.py's `check_model_path`, which this schema does not import: load.py
+    validates with pipelines/config/world.py's SCHEMA_CONTEXT, which holds it, so the problem is found in the
+    same pass as every other field's. A section built in code without that context (from a config already
+    validated) keeps its path as it is.
     Only the form: whether the model can be had (a package installed, an offline Hub id in the cache) is
     pipelines/config/world.py's, and the download or conversion happens once in run_job (pipelines/data/models.py)."""
-    return _models.check_model_path(path, field_name)
+    check = (info.context or {}).get(MODEL_PATH_CHECK)
+    return check(path, field_name) if check is not None else path
 
 
 class DataConfig(_Section):
@@ -363,10 +384,10 @@ class RolloutConfig(_Section):
     @model_validator(mode="after")
     def _environment_in_flight(self) -> "RolloutConfig":
         if self.environment is not None and not self.uses_in_flight():
-            raise ValueError(
-                f"@rollout.environment: multi-turn episodes send every turn to the in-flight engine, but engine "
+            _raise_at([
+                f"rollout.environment: multi-turn episodes send every turn to the in-flight engine, but engine "
                 f"{self.engine!r} runs call-synchronous here; use engine: vllm (in_flight: true)"
-            )
+            ])
         return self
 
     @model_validator(mode="after")
@@ -853,8 +874,8 @@ class CriticConfig(_Section):
 
     @field_validator("model_path")
     @classmethod
-    def _model_exists(cls, path: str | None) -> str | None:
-        return None if path is None else _model_folder(path, "critic.model_path")
+    def _model_exists(cls, path: str | None, info: ValidationInfo) -> str | None:
+        return None if path is None else _model_folder(path, "critic.model_path", info)
 
     @field_validator("value_clip")
     @classmethod
@@ -910,8 +931,8 @@ class ReferenceConfig(_Section):
 
     @field_validator("model_path")
     @classmethod
-    def _reference_exists(cls, path: str | None) -> str | None:
-        return path if path is None else ModelConfig._model_exists(path)
+    def _reference_exists(cls, path: str | None, info: ValidationInfo) -> str | None:
+        return path if path is None else _model_folder(path, "model.path", info)
 
 
 class EvalConfig(_Section):
@@ -1158,113 +1179,3 @@ class JobConfig(_Section):
 
     def tracking_uri(self) -> str:
         return self.tracking.uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"
-
-
-# --- loading ---------------------------------------------------------------------------
-
-_FIX_BY_TYPE = {
-    "extra_forbidden": "unknown key; remove it or check its spelling",
-    "missing": "required; add it",
-}
-
-
-def _format_pydantic(err: ValidationError) -> list[tuple[str, str]]:
-    problems = []
-    for item in err.errors(include_url=False):
-        loc = [str(part) for part in item["loc"]]
-        message = item["msg"].removeprefix("Value error, ")
-        if message.startswith("@"):  # cross-field problems name their own full paths
-            for line in message.splitlines():
-                path, _, text = line.removeprefix("@").partition(": ")
-                problems.append((path, text))
-            continue
-        path = ".".join(loc) or "(top level)"
-        hint = _FIX_BY_TYPE.get(item["type"])
-        if item["type"] == "finite_number":
-            message = f"{item.get('input')!r} is not a finite number; give a finite value"
-        elif hint:
-            message = hint
-        elif item["type"] != "value_error":
-            message = f"{message} (got {item.get('input')!r})"
-        problems.append((path, message))
-    return problems
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError([(dotted, f"{part!r} is not a section; cannot set a key under it")], "--set")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """Parse `a.b=value` strings; values are YAML scalars or lists (`--set train.lr=1e-3`)."""
-    parsed, problems = [], []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            problems.append((item, "expected KEY=VALUE, e.g. --set train.lr=0.001"))
-            continue
-        try:
-            parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
-        except yaml.YAMLError as err:  # safe_load refuses python tags too: nothing is constructed
-            problems.append((key.strip(), f"value is not valid YAML ({str(err).splitlines()[0]}); quote it or fix it"))
-    if problems:
-        raise ConfigError(problems, "--set")
-    return parsed
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
-    """Read YAML (safe loader), apply `--set` overrides, validate. Raises ConfigError."""
-    tree: dict = {}
-    source = str(path) if path else "config"
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError([("(file)", f"{path} does not exist; pass a YAML file such as configs/tiny_grpo.yaml")])
-        try:
-            tree = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError([("(file)", f"not valid YAML: {err}")], source)
-        if not isinstance(tree, dict):
-            raise ConfigError([("(top level)", "expected a mapping of sections (model:, data:, ...)")], source)
-    return config_from_tree(tree, overrides, source)
-
-
-def config_from_tree(tree: dict, overrides: list[str] | None = None, source: str = "config") -> JobConfig:
-    """Apply `--set` overrides to a config tree (a parsed YAML mapping) and validate it. Raises ConfigError."""
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
-    try:
-        cfg = JobConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(_format_pydantic(err), source) from None
-    # The schema holds: now what it names, in one pass (dataset files, the declared cluster, the memory).
-    from pipelines.config.world import world_problems
-
-    problems = world_problems(cfg)
-    if problems:
-        raise ConfigError(problems, source)
-    return cfg
-
-
-def flatten(config: BaseModel) -> dict[str, Any]:
-    """Dotted-key view of a config, e.g. {'train.lr': 0.002}, for MLflow params."""
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, child in value.items():
-                walk(f"{prefix}.{key}" if prefix else key, child)
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            for index, child in enumerate(value):
-                walk(f"{prefix}.{index}", child)
-        else:
-            out[prefix] = value
-
-    walk("", config.model_dump(mode="json"))
-    return out

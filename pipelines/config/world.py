@@ -1,14 +1,24 @@
 """A config against the world it names, in one pass once the schema holds (pipelines/config/schema.py checks
-values and how they fit together, and imports none of this): the dataset files, the cluster that
-`ray.cluster` declares, and whether the trainer fits its GPUs. `config_from_tree` runs it, so every
-`load_config` does; each problem is (field path, message) with the fix.
+values and how they fit together, and imports none of this): the dataset files, the models, the cluster that
+`ray.cluster` declares, and whether the trainer fits its GPUs. `config_from_tree` (pipelines/config/load.py)
+runs it, so every `load_config` does; each problem is (field path, message) with the fix.
+
+The form of a model path (a builtin, a Hub id, a local save_pretrained folder) is checked while the schema
+validates, so that it is listed with every other field's problem: load.py validates with `SCHEMA_CONTEXT`,
+which gives the schema pipelines/data/models.py's check.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.config.schema import BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, DataConfig, JobConfig
+from pipelines.config.schema import (BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, MODEL_PATH_CHECK,
+                                     DataConfig, JobConfig)
+from pipelines.data.models import check_model_path  # standard library only at import: validation stays free of torch
+
+# pydantic's validation context of a JobConfig (JobConfig.model_validate(tree, context=SCHEMA_CONTEXT)): the
+# model.path, critic.model_path and reference.model_path validators check the path with it.
+SCHEMA_CONTEXT = {MODEL_PATH_CHECK: check_model_path}
 
 
 def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:

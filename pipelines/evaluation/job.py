@@ -29,7 +29,8 @@ import pandas as pd
 
 from operators.eval_metrics import summarize
 from pipelines.recovery.checkpoint import RUN_FILE, Checkpoint, CheckpointDir, CheckpointError, verify
-from pipelines.config.schema import ConfigError, JobConfig, config_from_tree
+from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.load import config_from_tree
 from pipelines.evaluation.in_training import EvalSettings, describe_eval, eval_frames, load_eval_prompts, scored_table
 
 PROGRESS_EVERY_S = 2.0
@@ -252,8 +253,8 @@ class EvalTracking:
         from mlflow.tracking import MlflowClient
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-        from pipelines.config.schema import flatten
-        from pipelines.tracking.tracker import log_dataset_input
+        from pipelines.config.load import flatten
+        from pipelines.tracking.run_inputs import log_dataset_input
 
         self.client = client = MlflowClient(cfg.tracking_uri())
         self.step = checkpoint.step

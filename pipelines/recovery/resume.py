@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 from pipelines.recovery.checkpoint import Checkpoint, CheckpointDir, CheckpointError, checked_run_id, find_run_dirs
-from pipelines.config.schema import ConfigError, JobConfig, flatten
+from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.load import flatten
 
 # Fields a resumed run may change: where and how it runs, not what it learns.
 MAY_CHANGE = (

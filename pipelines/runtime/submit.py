@@ -31,8 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.config.schema import ConfigError, JobConfig, load_config
-from pipelines.tracking.tracker import CODE_VERSION_ENV, RUN_ANNOUNCEMENT
+from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.load import load_config
+from pipelines.tracking.run_inputs import CODE_VERSION_ENV
+from pipelines.tracking.tracker import RUN_ANNOUNCEMENT
 
 # Never uploaded with the working directory: environments, run output, caches, git objects.
 EXCLUDES = [

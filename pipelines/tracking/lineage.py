@@ -23,15 +23,19 @@ class LineageError(Exception):
 
 def find_run_dir(run_id: str, output_dir: str | None, instead: str = "--checkpoint PATH") -> Path:
     """`output_dir/checkpoints/RUN_ID`; without output_dir, searched under ./runs. `instead`: what the
-    error suggests passing instead of a run id."""
+    error suggests passing instead of a run id.
+    Not pipelines.recovery.resume.resolve_run, which takes one output_dir (a job's), knows 'latest' and
+    says a problem as a ConfigError of a field: this one searches every output_dir under ./runs and says
+    what to pass instead. Both check the id and list the runs with pipelines/recovery/checkpoint.py."""
     try:
         checked_run_id(run_id, "the run")
     except CheckpointError as err:
         raise LineageError(str(err)) from None
     roots = [Path(output_dir)] if output_dir else sorted({p.parent.parent for p in Path("runs").glob("**/checkpoints/*")})
     for root in roots:
-        if (root / "checkpoints" / run_id).is_dir():
-            return root / "checkpoints" / run_id
+        run_dir = CheckpointDir.of_run(root, run_id).root
+        if run_dir.is_dir():
+            return run_dir
     known = [p.name for root in roots for p in find_run_dirs(root)][-5:]
     where = output_dir or "./runs"
     raise LineageError(f"no run {run_id!r} under {where} (recent runs: {', '.join(known) or 'none'}); "

@@ -18,7 +18,7 @@ its MLmodel metadata (which travels with the files):
 
 plus the job's config (the run's params), as MLflow gives a model by default. Only the Hugging Face
 files are packaged (config, weights, tokenizer): not engine/, rng/ or the ledger. Delivery goes through
-the tracker's spool like any other record (pipelines/tracking/tracker.py): an outage delays it, and delivering
+the tracker's spool like any other record (pipelines/tracking/spool.py): an outage delays it, and delivering
 it again (a retry after a partial upload, a resume) re-uses the logged model the first try created,
 found by its `streamrl.record` tag, so a checkpoint is logged once.
 """

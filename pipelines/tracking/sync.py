@@ -1,7 +1,7 @@
 """`streamrl sync CONFIG RUN_ID|latest`: deliver what a job could not send to MLflow before it ended.
 
 A job that finishes while the tracking server is down keeps its undelivered records in its spool
-(pipelines/tracking/tracker.py), its end status last among them. A finished run cannot be resumed, so this
+(pipelines/tracking/spool.py), its end status last among them. A finished run cannot be resumed, so this
 delivers them: in spool order, from where MLflow's delivered counter stands, then the run's end.
 It takes the run's lease first (pipelines/recovery/run_lease.py): a job still writing the run delivers its
 own records.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipelines.recovery.checkpoint import CheckpointDir
 from pipelines.config.schema import ConfigError, JobConfig
-from pipelines.tracking.tracker import SPOOL_FOLDER, Delivery, Spool, _refused, _short_error
+from pipelines.tracking.spool import SPOOL_FOLDER, Delivery, Spool, refused, short_error
 from pipelines.recovery.resume import resolve_run
 from pipelines.recovery.run_lease import LeaseHeld, RunLease
 
@@ -54,7 +54,7 @@ def sync_run(cfg: JobConfig, run: str, echo: Callable[[str], None] = print) -> i
         try:
             client.get_run(run_id)
         except Exception as err:  # noqa: BLE001 - unreachable, or no such run: either way say which
-            raise ConfigError([("tracking.uri", f"cannot read MLflow run {run_id} at {uri} ({_short_error(err)}); "
+            raise ConfigError([("tracking.uri", f"cannot read MLflow run {run_id} at {uri} ({short_error(err)}); "
                                                 "check that the server is up and this is the run's tracking.uri")]) from None
         delivery = Delivery(client, run_id, uri, spool.path, echo)
         left = len(ops) - delivered
@@ -63,11 +63,11 @@ def sync_run(cfg: JobConfig, run: str, echo: Callable[[str], None] = print) -> i
             try:
                 delivery.deliver(op)
             except Exception as err:  # noqa: BLE001
-                if not _refused(err):
+                if not refused(err):
                     raise SyncFailed(f"MLflow stopped answering after {number - 1} of {left} records "
-                                     f"({_short_error(err)}); run `streamrl sync` again to deliver the rest") from None
+                                     f"({short_error(err)}); run `streamrl sync` again to deliver the rest") from None
                 delivery.refused += 1
-                echo(f"streamrl: MLflow refused a record ({_short_error(err)}); skipped")
+                echo(f"streamrl: MLflow refused a record ({short_error(err)}); skipped")
             spool.mark_delivered(delivered + number)
             if number % PROGRESS_EVERY == 0:
                 echo(f"streamrl: {number}/{left} records delivered")

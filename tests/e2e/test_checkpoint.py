@@ -15,7 +15,8 @@ import pytest
 
 from operators.train import _explode
 from pipelines.recovery.checkpoint import LEDGER_COLUMNS, CheckpointDir, CheckpointError, verify
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 from pipelines.recovery.resume import check_can_resume, config_changes, is_process_death, resolve_run, run_file_info
 from samples import step_samples
 

@@ -160,7 +160,7 @@ def test_trainer_group_that_cannot_be_placed_fails_and_frees_its_reservation(ray
     """STRICT_SPREAD over 2 ranks on the one-node session cluster: no rank is started (ranks are
     created only once the whole group is reserved), a timeout names the field, and no bundle
     stays reserved."""
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.runtime.trainer_group import start_trainer_group
 
     cfg = load_config(None, ["rollout.n=4", "train.world_size=2", "train.placement=STRICT_SPREAD",

@@ -9,7 +9,8 @@ import pytest
 
 from operators.train import select_informative
 from pipelines.recovery.checkpoint import CheckpointDir
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 from pipelines.job import run_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from pipelines.recovery.checkpoint import CheckpointDir
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.job import JobFailed, run_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -237,7 +237,7 @@ def check_ledger(ledger: pd.DataFrame, steps: int, groups: int, max_staleness: i
                                            pytest.param(1, marks=pytest.mark.extended), 2])
 def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_path, untrained_model, max_staleness):
     from pipelines.recovery.checkpoint import CheckpointDir
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.job import run_job
 
     cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml",

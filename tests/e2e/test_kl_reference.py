@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from operators.advantage import Advantage, grpo, sequence_kl_penalty
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.job import run_job
 
 ROOT = Path(__file__).resolve().parents[2]

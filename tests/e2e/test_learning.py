@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from mlflow.tracking import MlflowClient
 
 from pipelines.cli import main
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.evaluation.job import eval_config, evaluate_checkpoint, resolve_checkpoint
 from pipelines.job import run_job
 

@@ -24,7 +24,7 @@ from test_tracking_outage import mlflow_http_env, server, server_process  # noqa
 
 from operators.train import _explode
 from pipelines.recovery.checkpoint import Checkpoint, CheckpointDir
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.tracking.tracker import Tracker
 from pipelines.tracking.policy_model import RECORD_TAG, deliver, log_final_policy

@@ -95,7 +95,7 @@ def test_replan_on_the_nodes_left(ray_cluster):
     nothing is lost; a job that fits runs as it is; more generate actors than fit are cut to what fits;
     a trainer group of one rank per node (STRICT_SPREAD x 2) does not fit one node, so the job waits
     train.node_wait_s for nodes to join, then fails (not as a process death: no restart)."""
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.runtime.nodes import alive_node_ids, confirm_lost_nodes, replan
     from pipelines.recovery.resume import AttemptFailed, is_process_death
 

@@ -13,7 +13,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.job import run_job
 
 ROOT = Path(__file__).resolve().parents[2]

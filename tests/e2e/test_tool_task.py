@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.job import run_job
 from pipelines.tracking.lineage import find_rollouts, lineage_command
 

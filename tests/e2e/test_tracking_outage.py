@@ -27,7 +27,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from mlflow_server import MlflowServer, Sessions
 
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.tracking.tracker import NullTracker, Tracker
 
@@ -281,7 +281,7 @@ def test_null_tracker_has_the_same_interface(tmp_path):
 CRASHING_JOB = """
 import json, os, sys, time
 sys.path.insert(0, "tests/e2e")
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.tracking.tracker import NullTracker, Tracker
 from test_tracking_outage import step_row

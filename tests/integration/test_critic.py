@@ -18,7 +18,8 @@ from operators.advantage import (
     outcome_token_rewards,
 )
 from operators.algorithms.losses import VALUE_LOSSES, clipped_value_loss
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 from samples import step_samples
 
 ATOL = 1e-9
@@ -214,7 +215,7 @@ def test_critic_config_is_validated_up_front(tmp_path):
 
 
 def test_critic_resources_are_planned_and_only_they_may_change_on_resume():
-    from pipelines.config.schema import flatten
+    from pipelines.config.load import flatten
     from pipelines.runtime.resources import demands
     from pipelines.recovery.resume import config_changes
 

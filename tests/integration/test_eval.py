@@ -17,7 +17,8 @@ import pytest
 from operators.eval_metrics import pass_at_k, pass_at_ks, summarize, summarize_greedy, summarize_sampled
 from pipelines.recovery.checkpoint import LEDGER_COLUMNS, CheckpointDir, dataset_digest
 from pipelines.cli import main
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 from pipelines.recovery.resume import run_file_info
 from pipelines.data.tiny import make_arithmetic_dataset, split_problems
 

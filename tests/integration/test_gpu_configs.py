@@ -16,7 +16,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import ConfigError, load_config, vllm_installed
+from pipelines.config.schema import ConfigError, vllm_installed
+from pipelines.config.load import load_config
 from pipelines.runtime.resources import declared_nodes, plan_problems, totals
 
 ROOT = Path(__file__).resolve().parents[2]

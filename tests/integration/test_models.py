@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from pipelines.data import models
-from pipelines.config.schema import ConfigError, ModelConfig, load_config
+from pipelines.config.schema import ConfigError, ModelConfig
+from pipelines.config.load import load_config
 from pipelines.data.models import MARKER_FILE, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import torch
 
 from operators.advantage import Advantage, gae
 from operators.train import _explode, step_normalisers
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from samples import episode_samples, step_samples
 
 BASE = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import ConfigError, load_config, vllm_installed
+from pipelines.config.schema import ConfigError, vllm_installed
+from pipelines.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_grpo.yaml"

@@ -66,7 +66,7 @@ def test_secrets_in_the_environment_do_not_reach_the_child(monkeypatch):
 def test_the_sandbox_section_of_a_config_sets_the_limits_a_job_passes(monkeypatch):
     """`sandbox:` in a config reaches the reward functions' child (what grpo and eval build Reward with) and
     the builtin tool environment's options."""
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
 
     cfg = load_config("configs/tiny_tools.yaml", ["sandbox.pass_env=[STREAMRL_TEST_SECRET]", "sandbox.network=true",
                                                   "sandbox.memory_mb=2048", "sandbox.max_reply_mb=1"])

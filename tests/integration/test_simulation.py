@@ -170,7 +170,7 @@ def test_in_flight_abort_frees_the_slots(tmp_path):
 def run_sim(ray, tmp_path: Path, max_staleness: int, cost: CostModel, **rollout) -> tuple[list[dict], list[float], list]:
     from ray import cloudpickle
 
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.dag import build_rl_dataset, iter_steps, schedule_groups
     from pipelines.runtime.policy_store import create_policy_store
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.trainer_group import start_trainer_group
 from operators.train import _explode, _shard, step_normalisers

@@ -18,7 +18,7 @@ from operators.algorithms.batching import split_to_count
 from operators.devices import DeviceError, choose_device, dist_backend
 from operators.train import _explode
 from operators.workers.train_worker import LrSchedule
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from samples import step_samples
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from operators.weights import (WeightSet, as_weight_set, fetch, named_weights, non_finite, pack_buckets)
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 
 
 def _tiny_llama(tied: bool):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_grpo.yaml"
@@ -108,7 +109,7 @@ def test_trainer_and_operators_get_the_algorithm():
                                    "train.mini_batches=2", "algorithm.policy_loss=decoupled_ppo",
                                    "algorithm.overlong_buffer=1", "algorithm.whiten_over=response"])
 def test_a_resumed_run_cannot_change_how_it_learns(field):
-    from pipelines.config.schema import flatten
+    from pipelines.config.load import flatten
     from pipelines.recovery.resume import config_changes
 
     with_reference = ["reference={}"]  # a KL coefficient needs the reference stage

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from pipelines.config.schema import ConfigError, JobConfig, flatten, load_config
+from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.load import flatten, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_grpo.yaml"
@@ -146,7 +147,7 @@ def test_builtin_names_match_the_registries_and_validation_does_not_import_torch
 
     for (module, attribute), names in BUILTIN_NAMES.items():
         assert tuple(registry_of(module, attribute).names()) == names, (module, attribute)
-    code = ("import sys; from pipelines.config.schema import load_config; "
+    code = ("import sys; from pipelines.config.load import load_config; "
             "load_config('configs/tiny_grpo.yaml', ['algorithm.policy_loss=gspo', 'algorithm.kl_estimator=k1', "
             "'algorithm.loss_aggregation=seq_mean_token_mean']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -15,7 +15,8 @@ import yaml
 from operators.prompts import (
     PromptError, PromptFormat, PromptRenderer, cut_at_stop, message_problem, stop_token_ids,
 )
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts, validate_prompts
 
 CHATML = (

@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -216,7 +217,7 @@ def test_run_ids_are_checked_before_they_become_paths_and_eval_never_trusts_the_
 
 
 def test_a_run_saved_before_a_field_existed_resumes_with_that_field_at_its_default():
-    from pipelines.config.schema import flatten
+    from pipelines.config.load import flatten
     from pipelines.recovery.resume import config_changes
 
     cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml")

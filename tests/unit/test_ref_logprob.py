@@ -10,7 +10,8 @@ import pytest
 from operators.generate import Generate
 from operators.algorithms.batching import length_sorted_chunks
 from operators.ref_logprob import RefLogprob
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+from pipelines.config.load import load_config
 
 
 def generated(tiny_model_path: str, temperature: float) -> pd.DataFrame:

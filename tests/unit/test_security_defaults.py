@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.config.schema import ConfigError, JobConfig, load_config
+from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.load import load_config
 
 
 def test_defaults_trust_nothing_and_expose_nothing():

@@ -1,0 +1,123 @@
+"""A config from where it is written: a YAML file (`load_config`), a parsed tree (`config_from_tree`: a
+saved run's config), `--set KEY=VALUE` overrides (`parse_overrides`), and back to dotted keys (`flatten`: MLflow
+params and a run's saved config).
+
+Loading runs the schema (pipelines/config/schema.py: every field and how they fit together) and then the checks
+against the world (pipelines/config/world.py: dataset files, models, the declared cluster), and raises one
+`ConfigError` listing every problem with its field path and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from pipelines.config.schema import ConfigError, CrossFieldProblems, JobConfig
+from pipelines.config.world import SCHEMA_CONTEXT, world_problems
+
+_FIX_BY_TYPE = {
+    "extra_forbidden": "unknown key; remove it or check its spelling",
+    "missing": "required; add it",
+}
+
+
+def _format_pydantic(err: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for item in err.errors(include_url=False):
+        loc = [str(part) for part in item["loc"]]
+        cross_field = item.get("ctx", {}).get("error")
+        if isinstance(cross_field, CrossFieldProblems):  # cross-field problems name their own full paths
+            problems += cross_field.problems
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        path = ".".join(loc) or "(top level)"
+        hint = _FIX_BY_TYPE.get(item["type"])
+        if item["type"] == "finite_number":
+            message = f"{item.get('input')!r} is not a finite number; give a finite value"
+        elif hint:
+            message = hint
+        elif item["type"] != "value_error":
+            message = f"{message} (got {item.get('input')!r})"
+        problems.append((path, message))
+    return problems
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([(dotted, f"{part!r} is not a section; cannot set a key under it")], "--set")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """Parse `a.b=value` strings; values are YAML scalars or lists (`--set train.lr=1e-3`)."""
+    parsed, problems = [], []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append((item, "expected KEY=VALUE, e.g. --set train.lr=0.001"))
+            continue
+        try:
+            parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        except yaml.YAMLError as err:  # safe_load refuses python tags too: nothing is constructed
+            problems.append((key.strip(), f"value is not valid YAML ({str(err).splitlines()[0]}); quote it or fix it"))
+    if problems:
+        raise ConfigError(problems, "--set")
+    return parsed
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Read YAML (safe loader), apply `--set` overrides, validate. Raises ConfigError."""
+    tree: dict = {}
+    source = str(path) if path else "config"
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError([("(file)", f"{path} does not exist; pass a YAML file such as configs/tiny_grpo.yaml")])
+        try:
+            tree = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError([("(file)", f"not valid YAML: {err}")], source)
+        if not isinstance(tree, dict):
+            raise ConfigError([("(top level)", "expected a mapping of sections (model:, data:, ...)")], source)
+    return config_from_tree(tree, overrides, source)
+
+
+def config_from_tree(tree: dict, overrides: list[str] | None = None, source: str = "config") -> JobConfig:
+    """Apply `--set` overrides to a config tree (a parsed YAML mapping) and validate it. Raises ConfigError."""
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        cfg = JobConfig.model_validate(tree, context=SCHEMA_CONTEXT)  # with the model path check: see world.py
+    except ValidationError as err:
+        raise ConfigError(_format_pydantic(err), source) from None
+    # The schema holds: now what it names, in one pass (dataset files, the declared cluster, the memory).
+    problems = world_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def flatten(config: BaseModel) -> dict[str, Any]:
+    """Dotted-key view of a config, e.g. {'train.lr': 0.002}, for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, child)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for index, child in enumerate(value):
+                walk(f"{prefix}.{index}", child)
+        else:
+            out[prefix] = value
+
+    walk("", config.model_dump(mode="json"))
+    return out
