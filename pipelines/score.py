@@ -55,9 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reward", default="arithmetic_exact", help="builtin name or module:function")
     args = parser.parse_args(argv)
     from pipelines.config.schema import ModelConfig
+    from pipelines.config.world import SCHEMA_CONTEXT
     from pipelines.data.models import resolve_model_path
 
-    model_path = resolve_model_path(ModelConfig(path=args.model))
+    # with the model path check, as load_config runs it: a bad --model is named here, not in an actor
+    model_path = resolve_model_path(ModelConfig.model_validate({"path": args.model}, context=SCHEMA_CONTEXT))
     ray.init(include_dashboard=False, logging_level="warning")
     score_prompts(args.input, args.output, model_path, n=args.n, reward_functions=[(args.reward, 1.0)])
     print(f"wrote {args.output}")

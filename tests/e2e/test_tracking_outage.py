@@ -280,7 +280,7 @@ def test_null_tracker_has_the_same_interface(tmp_path):
 
 CRASHING_JOB = """
 import json, os, sys, time
-sys.path.insert(0, "tests/e2e")
+sys.path[:0] = ["tests/e2e", "tests"]
 from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.tracking.tracker import NullTracker, Tracker
