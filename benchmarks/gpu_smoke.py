@@ -76,7 +76,8 @@ def main() -> None:
 
     from operators.engines.base import SamplingParams
     from operators.engines.hf import HFEngine
-    from operators.workers.train_worker import LrSchedule, TrainerSettings, TrainWorker
+    from operators.workers.settings import LrSchedule, TrainerSettings
+    from operators.workers.train_worker import TrainWorker
     from operators.weights import WeightSet
 
     cuda = torch.cuda.is_available()

@@ -534,7 +534,8 @@ def _measure_decode(path: Path, new_tokens: int = 24) -> list[tuple[int, float]]
 def _measure_train(path: Path) -> dict:
     import ray
 
-    from operators.workers.train_worker import TrainerSettings, TrainWorker
+    from operators.workers.settings import TrainerSettings
+    from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.session import init_ray
     from pipelines.runtime.policy_store import create_policy_store
     from pipelines.runtime.trainer_group import _free_port

@@ -100,7 +100,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     from operators.advantage import Advantage
     from operators.generate import Generate
     from operators.reward import Reward
-    from operators.train import _explode
+    from operators.algorithms.step_batch import explode
     from operators.workers.train_worker import TrainWorker
     from pipelines.data.datasets import load_prompts
     from pipelines.dag import schedule_groups
@@ -126,7 +126,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
                 intervals.append(("plain", float(out["generate_start"].iloc[0]), float(out["generate_end"].iloc[0])))
                 rows.extend(advantage(reward(out)).to_dict("records"))
         start = time.time()
-        samples = _explode(rows)
+        samples = explode(rows)
         tokens = int(sum(len(t) for t in samples["response_token_ids"]))
         result = worker.train_step(samples, tokens, len(samples["advantages"]))
         generate.engine.load_weights(worker.state_dict())  # on-policy: the next step samples the new weights

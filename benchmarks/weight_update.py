@@ -41,7 +41,8 @@ CHANNELS = ("before", "after_fp32", "after_bf16")
 
 
 def trainer(path: Path, dtype: str, store: str, port: int):
-    from operators.workers.train_worker import LrSchedule, TrainerSettings, TrainWorker
+    from operators.workers.settings import LrSchedule, TrainerSettings
+    from operators.workers.train_worker import TrainWorker
 
     settings = TrainerSettings(model_path=str(path), lr=1e-5, zero_stage=0 if dtype == "fp32" else 1, dtype=dtype,
                                torch_threads=2, lr_schedule=LrSchedule(warmup_steps=0))

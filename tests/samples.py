@@ -4,7 +4,7 @@ multi-turn episodes."""
 
 from __future__ import annotations
 
-from operators.train import _explode
+from operators.algorithms.step_batch import explode
 
 def step_samples(tokenizer_path: str) -> list[dict]:
     from transformers import AutoTokenizer
@@ -28,7 +28,7 @@ def episode_samples(model_path: str) -> dict:
     """The trainer test's samples as multi-turn episodes: each response is policy tokens, two observation
     tokens (loss mask 0), then the rest; the first response of the second group is all observation (its
     episode's reset failed: nothing of it is trained)."""
-    samples = _explode(step_samples(model_path))
+    samples = explode(step_samples(model_path))
     masks, responses, behaviour = [], [], []
     for index, (response, logprobs) in enumerate(zip(samples["response_token_ids"], samples["behavior_logprobs"])):
         extended = response[:1] + [response[0], response[0]] + response[1:]  # two observation tokens after the first

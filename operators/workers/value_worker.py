@@ -24,7 +24,9 @@ import time
 import numpy as np
 
 from operators.algorithms.batching import TokenBatch, trained_tokens
-from operators.workers.train_worker import TrainerSettings, TrainWorker, _StatSums
+from operators.algorithms.loss_composition import StatSums
+from operators.workers.settings import TrainerSettings
+from operators.workers.train_worker import TrainWorker
 
 
 class ValueWorker(TrainWorker):
@@ -58,7 +60,7 @@ class ValueWorker(TrainWorker):
         """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask)."""
         return self.engine(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1, 0].float()
 
-    def _loss(self, part: dict, global_tokens: float, stats: _StatSums):
+    def _loss(self, part: dict, global_tokens: float, stats: StatSums):
         """Yield (loss, last) per micro-batch: the clipped value loss summed over its tokens, divided by this
         rank's share of the global token count, so DeepSpeed's average over ranks is the token mean."""
         from operators.algorithms.losses import VALUE_LOSSES
@@ -103,7 +105,7 @@ class ValueWorker(TrainWorker):
         count = len(samples["response_token_ids"])
         if not count:
             raise ValueError("train_step got no samples")
-        stats = _StatSums()
+        stats = StatSums()
         samples, refreshed = self._current_old_values(samples)
 
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):

@@ -17,7 +17,6 @@ evaluating a checkpoint afterwards reproduces the figure logged during training.
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Callable
 import pandas as pd
 
 from operators.eval_metrics import summarize
+from operators.tables import to_parquet
 from operators.weights import fetch
 from pipelines.config.schema import ConfigError, JobConfig
 
@@ -134,12 +134,6 @@ def scored_table(parts: list[pd.DataFrame]) -> pd.DataFrame:
     for column in ("responses", "response_lengths", "rewards"):
         table[column] = table[column].map(list)
     return table[[c for c in SCORED_COLUMNS if c in table.columns]]
-
-
-def to_parquet(table: pd.DataFrame) -> bytes:
-    buffer = io.BytesIO()
-    table.to_parquet(buffer, index=False)
-    return buffer.getvalue()
 
 
 class Evaluator:

@@ -24,7 +24,8 @@ from ray.util.scheduling_strategies import (
 
 from operators.advantage import STEP_WHITENED
 from operators.algorithms.correction import CorrectionSettings
-from operators.workers.train_worker import LrSchedule, TrainerSettings, TrainWorker
+from operators.workers.settings import LrSchedule, TrainerSettings
+from operators.workers.train_worker import TrainWorker
 from operators.workers.value_worker import ValueWorker
 from pipelines.config.schema import JobConfig, ModelConfig
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from operators.train import _explode
+from operators.algorithms.step_batch import explode
 from pipelines.recovery.checkpoint import LEDGER_COLUMNS, CheckpointDir, CheckpointError, verify
 from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config
@@ -87,7 +87,7 @@ def worker_factory(tiny_model_path):
 
 
 def test_engine_round_trip_continues_exactly(worker_factory, tiny_model_path, tmp_path):
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"])
     worker = worker_factory()
     worker.train_step(samples, tokens, count)
@@ -114,10 +114,10 @@ def test_engine_round_trip_continues_exactly(worker_factory, tiny_model_path, tm
 def test_nonfinite_loss_is_skipped_or_stops_and_nan_weights_are_never_published(
     ray_cluster, worker_factory, tiny_model_path
 ):
-    from operators.workers.train_worker import NonFiniteError
+    from operators.workers.engine_steps import NonFiniteError
     from pipelines.runtime.policy_store import create_policy_store
 
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"])
     # 1e308 is a finite reward-scale number in float64 and inf once cast to float32 for the loss.
     poisoned = {**samples, "advantages": [1e308] + samples["advantages"][1:]}
@@ -196,7 +196,7 @@ def test_resume_refuses_a_different_config_or_dataset(tmp_path):
 def test_process_deaths_are_told_apart_from_bugs():
     import ray.exceptions
 
-    from operators.workers.train_worker import NonFiniteError
+    from operators.workers.engine_steps import NonFiniteError
 
     assert is_process_death(ray.exceptions.ActorDiedError())
     try:

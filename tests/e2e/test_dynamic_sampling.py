@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.train import select_informative
+from operators.algorithms.step_batch import select_informative
 from pipelines.recovery.checkpoint import CheckpointDir
 from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config

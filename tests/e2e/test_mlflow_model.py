@@ -22,7 +22,7 @@ from test_checkpoint import ledger_for, worker_factory  # noqa: F401 - worker_fa
 from samples import step_samples
 from test_tracking_outage import mlflow_http_env, server, server_process  # noqa: F401 - fixtures
 
-from operators.train import _explode
+from operators.algorithms.step_batch import explode
 from pipelines.recovery.checkpoint import Checkpoint, CheckpointDir
 from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
@@ -37,7 +37,7 @@ PROMPT = "3+4="
 def trained_checkpoint(worker_factory, tiny_model_path, tmp_path_factory) -> Checkpoint:  # noqa: F811
     """A job's last checkpoint after one real train step: engine state, ledger, Hugging Face export."""
     worker = worker_factory()
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     worker.train_step(samples, sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"]))
     store = CheckpointDir(tmp_path_factory.mktemp("job") / "checkpoints" / "run")
     tmp = store.begin(1)

@@ -113,13 +113,13 @@ def test_clipped_value_loss_hand_computed():
 
 def critic_samples(model_path: str) -> dict:
     """The trainer test's two groups as critic samples: return 1 on every token of a correct answer."""
-    from operators.train import _explode
+    from operators.algorithms.step_batch import explode
 
     rows = step_samples(model_path)
     for row, correct in zip(rows, ([1, 0, 0, 1], [1, 0, 1, 0])):  # "3" is 1+2, "15" is 7+8
         row["returns"] = [[float(c)] * len(r) for c, r in zip(correct, row["response_token_ids"])]
         row["values"] = [[0.0] * len(r) for r in row["response_token_ids"]]
-    samples = _explode(rows)
+    samples = explode(rows)
     return {key: samples[key] for key in ("prompt_token_ids", "response_token_ids", "returns", "old_values")}
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from operators.advantage import Advantage, gae
-from operators.train import _explode, step_normalisers
+from operators.algorithms.step_batch import explode, step_normalisers
 from pipelines.config.load import load_config
 from samples import episode_samples, step_samples
 
@@ -92,7 +92,7 @@ def test_critic_loss_is_half_the_mse_over_the_policys_tokens(tiny_model_path, mi
 def test_critic_ignores_what_observation_tokens_are_worth(tiny_model_path):
     """The critic's samples as the Train operator builds them from episode rows (split_critic_samples) carry
     the loss masks: the same step with absurd returns at the observation tokens trains the same weights."""
-    from operators.train import split_critic_samples
+    from operators.algorithms.step_batch import split_critic_samples
 
     episodes = critic_episode_samples(tiny_model_path)
     trained = []
@@ -109,7 +109,7 @@ def test_critic_ignores_what_observation_tokens_are_worth(tiny_model_path):
                               for rs, ms in zip(episodes["returns"][part], row["loss_masks"])]
             row["values"], row["critic_version"] = episodes["old_values"][part], 0
             start += size
-        samples = _explode(rows)
+        samples = explode(rows)
         critic_samples = split_critic_samples(samples)
         assert "returns" not in samples and critic_samples["loss_masks"] == episodes["loss_masks"]
         critic = make_worker(tiny_model_path, ["algorithm.advantage=gae"], critic=True)

@@ -12,7 +12,7 @@ import pytest
 from pipelines.config.load import load_config
 from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.trainer_group import start_trainer_group
-from operators.train import _explode, _shard, step_normalisers
+from operators.algorithms.step_batch import explode, shard, step_normalisers
 from operators.weights import fetch
 from samples import episode_samples, step_samples
 
@@ -25,7 +25,7 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
     store = create_policy_store(name)
     workers, placement = start_trainer_group(cfg, model_path, name)
     try:
-        shards = _shard(samples, len(workers))
+        shards = shard(samples, len(workers))
         tokens, sequences = step_normalisers(samples)
         results = ray.get([w.train_step.remote(s, tokens, sequences) for w, s in zip(workers, shards)])
         version, (ref,) = ray.get(store.get_latest.remote())
@@ -44,13 +44,13 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
     losses still add up to the one-rank step, for a token-normalised, a sequence-averaged and Dr. GRPO's
     loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's)."""
 
-    samples = episode_samples(tiny_model_path) if episodes else _explode(step_samples(tiny_model_path))
+    samples = episode_samples(tiny_model_path) if episodes else explode(step_samples(tiny_model_path))
     long_response = samples["response_token_ids"][0] * 10  # one long response among short ones
     samples["response_token_ids"][0] = long_response
     samples["behavior_logprobs"][0] = [-1.0 - 0.05 * j for j in range(len(long_response))]
     if episodes:
         samples["loss_masks"][0] = samples["loss_masks"][0] * 10
-    shards = _shard(samples, 2)
+    shards = shard(samples, 2)
     assert len(shards[0]["advantages"]) != len(shards[1]["advantages"])
     base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4",
             f"algorithm.loss_aggregation={aggregation}"]
@@ -82,7 +82,7 @@ def test_micro_batches_give_the_same_step(tiny_model_path):
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     tokens = sum(len(r) for r in samples["response_token_ids"])
     for aggregation in ("token_mean", "seq_mean_token_mean"):
         outcomes = []
@@ -195,11 +195,11 @@ def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
     """Loss, gradient norm and weights after a train step equal the plain-torch reference: ppo_epochs x
     mini_batches optimizer steps, each on its own mini-batch, pi_prox fixed before the first of several."""
     from operators.algorithms.correction import merge_mismatch
-    from operators.train import step_normalisers
+    from operators.algorithms.step_batch import step_normalisers
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     if overrides == "multi-turn":
         samples = episode_samples(tiny_model_path)
         overrides = ["algorithm.advantage=dr_grpo", "algorithm.policy_loss=decoupled_ppo", "algorithm.tis=sequence",
@@ -234,7 +234,7 @@ def test_kl_without_reference_logprobs_is_refused(tiny_model_path):
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
                              "algorithm.kl_coef=0.1", "reference={}"])  # configured, but no stage added them
     worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
@@ -248,7 +248,7 @@ def test_per_token_advantages_equal_broadcast_scalars(tiny_model_path):
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
-    scalar = _explode(step_samples(tiny_model_path))
+    scalar = explode(step_samples(tiny_model_path))
     per_token = dict(scalar, advantages=[[a] * len(r) for a, r in zip(scalar["advantages"], scalar["response_token_ids"])])
     tokens = sum(len(r) for r in scalar["response_token_ids"])
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"])

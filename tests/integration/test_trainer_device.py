@@ -16,8 +16,8 @@ import pytest
 
 from operators.algorithms.batching import split_to_count
 from operators.devices import DeviceError, choose_device, dist_backend
-from operators.train import _explode
-from operators.workers.train_worker import LrSchedule
+from operators.algorithms.step_batch import explode
+from operators.workers.settings import LrSchedule
 from pipelines.config.load import load_config
 from samples import step_samples
 
@@ -110,7 +110,7 @@ def _assert_same_step(a, b, rtol=1e-5, weights_atol=1e-5, lr=0.002):
 def test_a_backward_per_micro_batch_equals_one_backward(tiny_model_path, zero_stage):
     """Each micro-batch runs its own forward and backward, the gradients accumulate and the last backward
     is the boundary: loss, gradient norm and weights equal the single-batch step, under ZeRO 0, 2 and 3."""
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     stage = [f"train.zero_stage={zero_stage}", "train.zero3_persistence_threshold=0"]
     whole = _step(tiny_model_path, samples, *stage)
     split = _step(tiny_model_path, samples, *stage, "train.micro_batch_tokens=12")
@@ -156,7 +156,7 @@ def test_chunked_logprobs_equal_the_full_ones(tiny_model_path):
 
 
 def test_chunked_logits_and_gradient_checkpointing_leave_the_step_unchanged(tiny_model_path):
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     plain = _step(tiny_model_path, samples, "train.logits_chunk_tokens=0", "algorithm.entropy_coef=0.01")
     chunked = _step(tiny_model_path, samples, "train.logits_chunk_tokens=5", "algorithm.entropy_coef=0.01")
     checkpointed = _step(tiny_model_path, samples, "train.gradient_checkpointing=true", "algorithm.entropy_coef=0.01")
@@ -169,7 +169,7 @@ def test_nonfinite_loss_in_a_later_micro_batch_drops_the_accumulated_gradients(t
     """The poisoned sample is the longest, so it lands in the last micro-batch, after others were
     backwarded: the step is skipped, no weight moves, and the next step equals a fresh rank's first step
     (no gradient of the skipped step was left behind)."""
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"])
     longest = max(range(count), key=lambda i: len(samples["prompt_token_ids"][i]) + len(samples["response_token_ids"][i]))
     poisoned = {**samples, "advantages": [1e308 if i == longest else a for i, a in enumerate(samples["advantages"])]}
@@ -200,7 +200,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_the_rank_follows_the_lr_schedule_and_a_checkpoint_keeps_it(tiny_model_path, tmp_path):
     """Two updates per train step (mini_batches 2): warm-up over 2 train steps is 4 optimizer steps."""
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"])
     sets = ["train.lr=0.01", "train.lr_warmup_steps=2", "train.mini_batches=2", "train.steps=5",
             "train.lr_schedule=cosine"]
@@ -223,7 +223,7 @@ def test_bf16_step_matches_fp32_within_bf16_precision(tiny_model_path):
     """DeepSpeed bf16 (ZeRO-1, fp32 master weights) against fp32: bf16 has an 8-bit mantissa (~0.4%
     relative per operation), so the loss agrees to 2%, the gradient norm to 5%, and the update (Adam's
     first step moves each weight by ~lr) to a small fraction of lr."""
-    samples = _explode(step_samples(tiny_model_path))
+    samples = explode(step_samples(tiny_model_path))
     fp32 = _step(tiny_model_path, samples, "train.zero_stage=1")
     bf16 = _step(tiny_model_path, samples, "train.zero_stage=1", "train.dtype=bf16")
     np.testing.assert_allclose(bf16[0]["policy_loss"], fp32[0]["policy_loss"], rtol=2e-2, atol=2e-3)

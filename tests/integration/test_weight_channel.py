@@ -129,7 +129,8 @@ def test_a_publish_sends_buckets_in_the_training_dtype(ray_cluster, tiny_model_p
 
 
 def test_nan_weights_are_never_published(ray_cluster, tiny_model_path):
-    from operators.workers.train_worker import NonFiniteError, TrainWorker
+    from operators.workers.engine_steps import NonFiniteError
+    from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.policy_store import create_policy_store
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 

@@ -162,7 +162,7 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
     fields), and a rank built by hand with the defaults gets what the default config gives."""
     import dataclasses
 
-    from operators.workers.train_worker import TrainerSettings
+    from operators.workers.settings import TrainerSettings
     from pipelines.runtime.trainer_group import CRITIC_SETTINGS, POLICY_SETTINGS, critic_settings, trainer_settings
 
     cfg = load_config(None, ["critic.lr=0.01", "algorithm.advantage=gae"])

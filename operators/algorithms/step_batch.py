@@ -1,0 +1,145 @@
+"""How a train step's batch is made and cut: the step's groups become samples (`explode`, one per response),
+the samples are dealt to the ranks (`shard`), and a rank cuts its shard into mini-batches (one per optimizer
+step) and micro-batches (one per forward/backward). Also DAPO's dynamic sampling (`select_informative`), the
+step's loss normalisers and the critic's share of the samples.
+
+Pure functions on lists and dicts: the Train operator (operators/train.py) and the trainer ranks
+(operators/workers/train_worker.py) call them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from operators.algorithms.batching import balanced_shards, length_sorted_chunks, trained_tokens
+
+
+def is_informative(row: dict) -> bool:
+    """A group teaches something when its rewards differ (GRPO-style advantages are all 0 otherwise)."""
+    return float(np.ptp(np.asarray(row["rewards"], dtype=float))) > 0
+
+
+def select_informative(rows: list[dict], count: int) -> tuple[list[dict], dict[str, str]]:
+    """DAPO dynamic sampling: the first `count` groups (in the given, schedule order) whose rewards
+    differ; if fewer differ, topped up with the first zero-variance ones, so every step trains the
+    same number of samples. Returns the rows kept and, per group_uid left out, why:
+    "zero_variance" (no learning signal) or "surplus" (informative, but `count` were already kept)."""
+    informative = [row for row in rows if is_informative(row)]
+    flat = [row for row in rows if not is_informative(row)]
+    kept = informative[:count] + flat[:max(0, count - len(informative))]
+    kept_ids = {id(row) for row in kept}
+    dropped = {str(row["group_uid"]): "surplus" if is_informative(row) else "zero_variance"
+               for row in rows if id(row) not in kept_ids}
+    order = {id(row): index for index, row in enumerate(rows)}
+    return sorted(kept, key=lambda row: order[id(row)]), dropped
+
+
+def explode(rows: list[dict]) -> dict[str, list]:
+    """Groups -> samples: one entry per response, in group order.
+
+    An advantage stays a float (one per response) or a list (one per response token, e.g. GAE).
+    `staleness` (train_step - policy_version; 0 for a row without it) goes with every sample, and
+    `ref_logprobs` (one per response token) when the rows carry that column (None for a row
+    without it: the trainer refuses a KL term then); `returns` and `old_values` (the Value
+    stage's `values`), one per response token, when the rows carry returns (for the critic)."""
+    samples = defaultdict(list)
+    with_ref = any(row.get("ref_logprobs") is not None for row in rows)
+    with_masks = any(row.get("loss_masks") is not None for row in rows)
+    with_returns = all(row.get("returns") is not None for row in rows)
+    for row in rows:
+        for index, response in enumerate(row["response_token_ids"]):
+            samples["prompt_token_ids"].append(list(row["prompt_token_ids"]))
+            samples["response_token_ids"].append(list(response))
+            samples["behavior_logprobs"].append(list(row["behavior_logprobs"][index]))
+            advantage = row["advantages"][index]
+            samples["advantages"].append(float(advantage) if np.ndim(advantage) == 0 else
+                                         [float(value) for value in advantage])
+            samples["staleness"].append(response_staleness(row, index))
+            if with_masks:  # multi-turn: observation tokens carry no loss
+                masks = row.get("loss_masks")
+                samples["loss_masks"].append(None if masks is None else [int(m) for m in masks[index]])
+            if with_ref:
+                refs = row.get("ref_logprobs")
+                samples["ref_logprobs"].append(None if refs is None else [float(v) for v in refs[index]])
+            if with_returns:
+                samples["returns"].append([float(v) for v in row["returns"][index]])
+                samples["old_values"].append([float(v) for v in row["values"][index]])
+                samples["critic_version"].append(int(row.get("critic_version", -1)))
+    return dict(samples)
+
+
+def split_critic_samples(samples: dict) -> dict:
+    """Take the critic's columns out of the step's samples (`explode`'s) and return the critic's samples:
+    the sequences, the return targets, the Value stage's values and critic versions, and the policy's loss
+    masks: the critic is trained on the policy's tokens only (an observation is not a state the policy acts
+    from), under the policy's normaliser. {} when the samples carry no returns."""
+    critic = {key: samples.pop(key) for key in ("returns", "old_values", "critic_version") if key in samples}
+    if not critic:
+        return {}
+    return {"prompt_token_ids": samples["prompt_token_ids"], "response_token_ids": samples["response_token_ids"],
+            **critic, **({"loss_masks": samples["loss_masks"]} if "loss_masks" in samples else {})}
+
+
+def step_normalisers(samples: dict) -> tuple[int, int]:
+    """The step's loss normalisers over all ranks: its trained tokens, and its responses with at least one
+    (an episode whose every token is an observation trains nothing and is not counted, as the ranks' own
+    count for several mini-batches leaves it out: operators.workers.train_worker.TrainWorker._global_counts)."""
+    counts = [trained_tokens(samples, i) for i in range(len(samples["response_token_ids"]))]
+    return sum(counts), sum(1 for count in counts if count)
+
+
+def token_masks(row: dict) -> list[list[int]]:
+    """Per response of a group, 1 at each token the loss trains: its loss mask (multi-turn), else all 1s."""
+    masks = row.get("loss_masks")
+    if masks is not None:
+        return [[int(m) for m in mask] for mask in masks]
+    return [[1] * len(response) for response in row["response_token_ids"]]
+
+
+def response_staleness(row: dict, index: int) -> int:
+    """train_step - the oldest version that sampled a token of response `index` (partial rollout: the
+    response's own tokens; otherwise the group's one version)."""
+    staleness = int(row.get("staleness", 0))
+    versions = row.get("token_policy_versions")
+    if versions is None or "policy_version" not in row or not len(versions[index]):
+        return staleness
+    return staleness + int(row["policy_version"]) - int(min(versions[index]))
+
+
+def shard(samples: dict[str, list], world_size: int, equal_counts: bool = False) -> list[dict[str, list]]:
+    """The step's samples dealt to the ranks by tokens (prompt + response, what a rank computes on):
+    token counts within one sample of each other; `equal_counts` (several mini-batches per rank) keeps
+    the sample counts equal instead (operators.algorithms.batching.balanced_shards)."""
+    lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+    return [{key: [values[i] for i in indices] for key, values in samples.items()}
+            for indices in balanced_shards(lengths, world_size, equal_counts)]
+
+
+def subset(samples: dict, indices: list[int]) -> dict:
+    """The samples at `indices` (a column that is None stays None)."""
+    return {key: [values[i] for i in indices] if values is not None else None for key, values in samples.items()}
+
+
+def mini_batch_parts(count: int, parts: int, seed: int, version: int, epoch: int) -> list[list[int]]:
+    """A rank's sample indices per optimizer step of one epoch: `parts` equal parts of `count` samples
+    (config validation makes them divide `count`). One part keeps the arrival order; several are cut from a
+    permutation drawn from (seed, policy version, epoch), so every epoch mixes them differently and a resumed
+    run draws the same ones."""
+    order = np.arange(count)
+    if parts > 1:
+        order = np.random.default_rng([seed, version, epoch]).permutation(count)
+    return [part.tolist() for part in np.array_split(order, parts)]
+
+
+def micro_batch_chunks(samples: dict, budget: int) -> list[list[int]]:
+    """Sample indices per micro-batch on one rank: sorted by length, cut so that no micro-batch pads to
+    more than `budget` tokens (0: one batch, in arrival order). On long-tailed response lengths this
+    removes most padding: short responses no longer pad to the longest one. The ranks then even out
+    their counts (operators.algorithms.batching.split_to_count)."""
+    count = len(samples["response_token_ids"])
+    if not budget:
+        return [list(range(count))] if count else []
+    lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+    return length_sorted_chunks(lengths, budget)

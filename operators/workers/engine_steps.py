@@ -1,0 +1,61 @@
+"""The DeepSpeed engine's side of a train step: the optimizer step and its gradient norm, and the NaN
+protocol (every rank agrees that a loss is finite before its backward; the gradients of an optimizer step
+that will not be taken are dropped; a job told to stop gets a NonFiniteError).
+
+Plumbing only: operators/workers/train_worker.py decides when each is called.
+"""
+
+from __future__ import annotations
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the weights became NaN/inf and the job must stop (nothing was published)."""
+
+
+def finite_everywhere(torch, loss, device, world_size: int) -> bool:
+    """True when the loss is finite on every rank (all ranks must agree to skip a step together)."""
+    finite = torch.tensor([float(bool(torch.isfinite(loss.detach()).all()))], device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    return bool(finite.item())
+
+
+def optimizer_step(torch, engine, zero_stage: int) -> float:
+    """One DeepSpeed optimizer step on the accumulated gradients (the last backward was the
+    accumulation boundary); the global gradient norm before clipping."""
+    own_norm = plain_grad_norm(torch, engine.module) if zero_stage == 0 else None
+    engine.step()
+    grad_norm = engine.get_global_grad_norm() if own_norm is None else own_norm
+    return float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def plain_grad_norm(torch, module) -> float:
+    """Global gradient norm before clipping. Without ZeRO, DeepSpeed does not report it;
+    gradients are already averaged over ranks after backward, so this is the global one."""
+    grads = [p.grad.detach().float() for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def discard_gradients(torch, engine, loss, zero_stage: int, who: str) -> None:
+    """Drop the gradients accumulated for an optimizer step that will not be taken, because the
+    micro-batch `loss` (non-finite on some rank) came after others were backwarded. Every rank calls it;
+    `who` names the rank in the error (e.g. "policy rank 0").
+
+    Without ZeRO the module's gradients are all there is: the engine's zero_grad drops them. ZeRO keeps
+    reduced gradient partitions of its own, with no public call to drop them, so this uses DeepSpeed's
+    own skip: every rank backwards the non-finite loss (NaN where it is finite) as the accumulation
+    boundary, and DeepSpeed's step finds a non-finite gradient norm, skips the update, clears its
+    gradients and leaves the LR schedule where it was (ZeRO 1-2 in fp32 and ZeRO 3 always; ZeRO 1-2
+    in bf16 with `bf16.check_grad_overflow`, which the config sets)."""
+    if not zero_stage:
+        engine.zero_grad()
+        return
+    poisoned = loss * float("nan") if bool(torch.isfinite(loss.detach())) else loss
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(poisoned)
+    engine.step()
+    if getattr(engine.optimizer, "overflow", False) is not True:  # DeepSpeed changed: never train on it
+        raise NonFiniteError(
+            f"{who}: DeepSpeed did not skip an optimizer step with a non-finite gradient "
+            f"(ZeRO {zero_stage}); the weights may be damaged. Resume from the last checkpoint"
+        )
