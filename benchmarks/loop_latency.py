@@ -96,7 +96,7 @@ def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float]
 
         def stamped(ds):  # when the driver has each step's row
             for row in iter_steps(ds):
-                driver_times[int(row["step"])] = time.time()
+                driver_times[int(row["step"]) - 1] = time.time()  # rows count steps from 1; timelines are indexed from 0
                 yield row
 
         attempts.iter_steps = stamped

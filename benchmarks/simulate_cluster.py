@@ -364,12 +364,12 @@ def check_invariants(result: dict) -> None:
     layout, rows = result["layout"], result["rows"]
     uids = [uid for row in rows for uid in row["groups"]["group_uid"]]
     expected = [uid for frame in result["schedule"] for uid in frame["group_uid"]]
-    assert [row["step"] for row in rows] == list(range(len(rows))), "steps out of order or missing"
+    assert [row["step"] for row in rows] == list(range(1, len(rows) + 1)), "steps out of order or missing"
     assert sorted(uids) == sorted(expected) and len(set(uids)) == len(uids), "a group not trained exactly once"
     staleness = [s for row in rows for s in row["groups"]["staleness"]]
     assert 0 <= min(staleness) and max(staleness) <= layout.max_staleness, "staleness bound broken"
     if layout.max_staleness == 0:
-        assert all(v == row["step"] for row in rows for v in row["groups"]["policy_version_max"]), "sync not on-policy"
+        assert all(v == row["step"] - 1 for row in rows for v in row["groups"]["policy_version_max"]), "sync not on-policy"
     if not layout.partial_rollout:
         assert all(a == b for row in rows for a, b in zip(row["groups"]["policy_version"],
                                                           row["groups"]["policy_version_max"])), "a group spans versions"

@@ -263,7 +263,10 @@ class Train:
                  critic_results: list[dict], waited: float, start: float, end: float) -> dict:
         """The step's metrics row (operators/train_metrics.py's families, and the trainer's own figures)."""
         return {
-            "step": step,
+            # The step as users read it everywhere (terminal, MLflow, checkpoints, lineage, group ids): 1 for
+            # the first; it is the policy version the step produced. `train_step` in the rows, the ledger and
+            # the schedule is the step's 0-based index: the version it trained from.
+            "step": step + 1,
             **reward_metrics(table, self.success_threshold),
             **rank_metrics(results),
             **timing_metrics(rows, waited, start, end),
@@ -293,7 +296,7 @@ class Train:
         written there (atomically, before the step's checkpoint and row)."""
         rollouts = {"rollouts_parquet": to_parquet(table)}
         if self.rollouts_dir is not None:
-            path = self.rollouts_dir / f"step_{step:06d}.parquet"
+            path = self.rollouts_dir / f"step_{step + 1:06d}.parquet"  # the step as users count it
             write_atomic(path, rollouts.pop("rollouts_parquet"), what=f"the rollouts of step {step + 1}")
             rollouts["rollouts_path"] = str(path)
         return rollouts

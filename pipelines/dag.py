@@ -39,7 +39,7 @@ def schedule_groups(prompts: pd.DataFrame, cfg: JobConfig) -> list[pd.DataFrame]
         epoch += 1
     table = pd.concat(order, ignore_index=True).iloc[:total].copy()
     table["train_step"] = table.index // per_step
-    table["group_uid"] = [f"s{step:06d}-g{index % per_step:04d}" for index, step in enumerate(table["train_step"])]
+    table["group_uid"] = [f"s{step + 1:06d}-g{index % per_step:04d}" for index, step in enumerate(table["train_step"])]
     return [table.iloc[start:start + per_call].reset_index(drop=True) for start in range(0, total, per_call)]
 
 

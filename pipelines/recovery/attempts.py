@@ -93,7 +93,7 @@ def run_attempts(run: Run, preemption: Preemption) -> None:
             run.checkpoint = run_dir.latest_valid(echo)
             run_dir.clean_partial()
             start = run.start
-            run.rows[:] = [row for row in run.rows if row["step"] < start]  # steps after it are trained again
+            run.rows[:] = [row for row in run.rows if row["step"] <= start]  # steps after it are trained again
             dropped = steps.drop(start)
             say_backfilled(steps.backfill(run.checkpoint, steps.attempt), echo)
             write_dropped(dropped, run.output_dir / "dropped" / run.run_id, steps.attempt, run.tracker)
@@ -136,7 +136,7 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
                                         keep=cfg.train.checkpoint_keep, hf_export=cfg.train.checkpoint_hf_export,
                                         run_info=run.run_info, attempt=steps.attempt,
                                         prior_rows=[row for row in checkpoint.step_rows()
-                                                    if int(row["step"]) < first] if checkpoint else None,
+                                                    if int(row["step"]) <= first] if checkpoint else None,
                                         prune_uploaded_only=cfg.tracking.enabled,
                                         fence=lease.fence if lease is not None else None),
             # each attempt its own folder: a step trained again must not replace a file still to be uploaded
@@ -155,21 +155,21 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
                 if lease is not None:
                     lease.check()  # another process took the run: stop before logging anything more
                 row = {**row, "attempt": steps.attempt}
-                steps.hold(row, int(row["step"]) + 1)
+                steps.hold(row, int(row["step"]))
                 progress.update(row)
                 if row.get("checkpoint_path"):
-                    steps.commit(int(row["step"]) + 1)
-                    tracker.log_checkpoint(Path(row["checkpoint_path"]), int(row["step"]) + 1)
+                    steps.commit(int(row["step"]))
+                    tracker.log_checkpoint(Path(row["checkpoint_path"]), int(row["step"]))
                     progress.echo(f"streamrl: checkpoint {row['checkpoint_path']} "
                                   f"({row.get('time_checkpoint', 0.0):.1f}s)")
                 if row.get("nonfinite_skipped"):
-                    progress.echo(f"streamrl: step {int(row['step']) + 1}: the loss was not finite; step skipped, "
+                    progress.echo(f"streamrl: step {int(row['step'])}: the loss was not finite; step skipped, "
                                   "weights unchanged (train.nan_policy: skip)")
                 run.rows.append({k: v for k, v in row.items() if k not in ("rollouts_parquet", "rollouts_path")})
                 if evaluator is not None:
                     evaluator.poll()
                 if row.get("stopped"):  # a graceful stop: this step is trained and checkpointed
-                    raise Preempted(f"stopped on SIGTERM after step {int(row['step']) + 1}, which was "
+                    raise Preempted(f"stopped on SIGTERM after step {int(row['step'])}, which was "
                                     "trained and checkpointed", finished_step=True)
             if evaluator is not None:  # before the trainer group stops: rank 0 owns the retained weights
                 evaluator.finish()

@@ -47,7 +47,7 @@ class StepLog:
 
     def hold(self, row: dict, needs: int, train: bool = True) -> None:
         """Log `row` once a checkpoint of at least `needs` steps exists (at once if one does). `train`: a
-        train step's row (step s, needs s + 1), which `backfill` then knows is logged."""
+        train step's row (step s, counted from 1, needs s), which `backfill` then knows is logged."""
         self.last = _Held(needs, row, train=train)
         self.held.append(self.last)
         self.commit(self.committed)
@@ -83,7 +83,7 @@ class StepLog:
             mine = [row for row in self.retrained if row.get("attempt", self.attempt) == self.attempt]
             write_dropped(mine, self.retrained_dir, self.attempt, self.tracker, "retrained")
         if self.echo is not None:
-            self.echo(f"streamrl: step(s) {', '.join(str(int(row['step']) + 1) for row in rows)} were logged to MLflow "
+            self.echo(f"streamrl: step(s) {', '.join(str(int(row['step'])) for row in rows)} were logged to MLflow "
                       "by an earlier attempt (its newer checkpoint was damaged, so they were trained again); "
                       f"MLflow keeps those values, this attempt's rows are the artifact retrained/attempt_{self.attempt}.jsonl")
 
@@ -107,7 +107,7 @@ class StepLog:
         self.logged |= set(logged_before)  # a restart later in this process must not log them again
         if checkpoint is None:
             return []
-        rows = [row for row in checkpoint.step_rows() if int(row["step"]) < checkpoint.step
+        rows = [row for row in checkpoint.step_rows() if int(row["step"]) <= checkpoint.step
                 and int(row["step"]) not in self.logged]
         for row in rows:
             self.tracker.log_step({"attempt": attempt, **row})  # a row written since 2026-12-02 says its own

@@ -58,16 +58,20 @@ def newest_checkpoint(run_dir: Path) -> Checkpoint:
 
 
 def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
-    """What produced `checkpoint`: a header, a per-step summary, and the groups (of `step`, or all)."""
+    """What produced `checkpoint`: a header, a per-step summary, and the groups (of `step`, or all).
+
+    Steps count from 1 as everywhere a user reads one (the terminal's `step 40/40`, MLflow, the checkpoint
+    `step_000040` that holds steps 1-40, group ids `s000040-g0000`): step N is the ledger's `train_step`
+    N - 1, the step's 0-based index (the policy version it trained from)."""
     ledger = checkpoint.ledger()
     if step is not None:
-        if step >= checkpoint.step or step < 0:
+        if not 1 <= step <= checkpoint.step:
             raise LineageError(
-                f"step {step} is not in checkpoint {checkpoint.path} (it holds steps 0-{checkpoint.step - 1}); "
+                f"step {step} is not in checkpoint {checkpoint.path} (it holds steps 1-{checkpoint.step}); "
                 "a later checkpoint holds it, or the run's MLflow artifact rollouts/step_NNNNNN.parquet does"
             )
-        ledger = ledger[ledger["train_step"] == step]
-    per_step = ledger.groupby("train_step").agg(
+        ledger = ledger[ledger["train_step"] == step - 1]
+    per_step = ledger.assign(step=ledger["train_step"] + 1).groupby("step").agg(
         groups=("group_uid", "size"),
         version_min=("policy_version", "min"), version_max=("policy_version", "max"),
         staleness_max=("staleness", "max"), trained=("trained", "all"),
@@ -80,7 +84,7 @@ def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
         "dataset_digest": state.get("dataset_digest"),
         "model_path": state.get("model_path"),
         "groups": int(len(ledger)), "distinct_prompts": int(ledger["prompt_id"].nunique()),
-        "skipped_steps": [int(s) for s in per_step.loc[~per_step["trained"], "train_step"]],
+        "skipped_steps": [int(s) for s in per_step.loc[~per_step["trained"], "step"]],
         "steps": per_step.to_dict("records"),
         "ledger": ledger.to_dict("records"),
         **({"episodes": step_episodes(checkpoint, step), "prompts": step_prompts(checkpoint, step)}
@@ -152,13 +156,13 @@ def format_lineage(info: dict, step: int | None) -> str:
     if not steps:
         return "\n".join(lines + ["  (no groups)"])
     if step is None:
-        first, last = steps[0]["train_step"], steps[-1]["train_step"]
+        first, last = steps[0]["step"], steps[-1]["step"]
         lines.append(f"  produced by steps {first}-{last}: {info['groups']} groups, {info['distinct_prompts']} distinct "
                      f"prompt ids, skipped steps: {info['skipped_steps'] or 'none'}")
         lines.append(f"  {'step':>5} {'groups':>6} {'versions':>9} {'stale':>5}  prompt ids")
         for row in steps:
             ids = " ".join(map(str, row["prompt_ids"][:6])) + (" ..." if len(row["prompt_ids"]) > 6 else "")
-            lines.append(f"  {row['train_step']:>5} {row['groups']:>6} {_versions(row):>9} {row['staleness_max']:>5}  {ids}")
+            lines.append(f"  {row['step']:>5} {row['groups']:>6} {_versions(row):>9} {row['staleness_max']:>5}  {ids}")
         return "\n".join(lines)
     lines.append(f"  step {step}: {info['groups']} groups" + ("" if steps[0]["trained"] else " (skipped: loss not finite)"))
     lines.append(f"  {'group_uid':<16} {'prompt_id':<16} {'epoch':>5} {'version':>7} {'stale':>5}")

@@ -39,7 +39,7 @@ class Progress:
         self.timed = 0  # steps finished by this process since the (re)start
 
     def update(self, row: dict) -> None:
-        self.done = int(row["step"]) + 1
+        self.done = int(row["step"])
         self.timed += 1
         now = time.perf_counter()
         elapsed = now - self.start
@@ -49,7 +49,7 @@ class Progress:
         value = {key: _number(row.get(key)) for key in (
             "reward_mean", "success_rate", "policy_loss", "staleness_mean", "staleness_max", "tokens_per_s")}
         self.echo(
-            f"step {int(row['step']) + 1:>4}/{self.total_steps}"
+            f"step {int(row['step']):>4}/{self.total_steps}"
             f" | reward {_short(value['reward_mean'])} | success {value['success_rate']:.2f}"
             f" | loss {value['policy_loss']:+.4f} | staleness {value['staleness_mean']:.1f}/{value['staleness_max']:.0f}"
             f" | {value['tokens_per_s']:,.0f} tok/s | elapsed {_duration(elapsed)} | left {left}"

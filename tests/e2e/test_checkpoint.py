@@ -224,8 +224,8 @@ def test_lineage_command_lists_what_made_a_checkpoint(tmp_path):
     cli = [sys.executable, "-m", "pipelines.cli", "lineage"]
     out = subprocess.run(cli + ["run-x", "--output-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "step 3" in out.stdout and "steps 0-2: 3 groups, 3 distinct prompt ids" in out.stdout
-    out = subprocess.run(cli + ["--checkpoint", str(path), "--step", "1", "--json"], capture_output=True,
+    assert "step 3" in out.stdout and "steps 1-3: 3 groups, 3 distinct prompt ids" in out.stdout
+    out = subprocess.run(cli + ["--checkpoint", str(path), "--step", "2", "--json"], capture_output=True,
                          text=True, cwd=ROOT)
     info = json.loads(out.stdout)
     assert [row["prompt_id"] for row in info["ledger"]] == ["p1"] and info["step"] == 3

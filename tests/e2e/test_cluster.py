@@ -114,7 +114,7 @@ def test_submitted_job_trains_across_nodes_and_tracks_to_server(cluster, mlflow_
     assert run.data.tags["code_version"] not in ("", "unknown")  # passed by submit; .git is not uploaded
     for metric in ("reward_mean", "success_rate", "policy_loss", "staleness_max", "time_train"):
         history = client.get_metric_history(run_id, metric)
-        assert sorted(m.step for m in history) == list(range(STEPS)), metric
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), metric
     rollout_files = sorted(a.path for a in client.list_artifacts(run_id, "rollouts"))
     assert len(rollout_files) == STEPS, rollout_files
     groups = pd.concat([pd.read_parquet(client.download_artifacts(run_id, path, str(tmp_path))) for path in rollout_files])

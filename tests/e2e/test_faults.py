@@ -156,9 +156,9 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
     # Each step once in the metric history (the killed driver's steps after its checkpoint were never
     # logged), with the attempt that trained it.
     history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward_mean")
-    assert sorted(m.step for m in history) == list(range(STEPS))
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
     attempts = {m.step: m.value for m in mlflow.tracking.MlflowClient().get_metric_history(run_id, "attempt")}
-    assert attempts == {step: 1.0 if step < resumed_from else 2.0 for step in range(STEPS)}, attempts
+    assert attempts == {step: 1.0 if step <= resumed_from else 2.0 for step in range(1, STEPS + 1)}, attempts
     assert run.data.tags["attempts"] == "2"
     assert_exactly_once(final_ledger(out, run_id), max_staleness=0)
     # Same seed, staleness 0: the interrupted-and-resumed policy is the uninterrupted one.
@@ -181,7 +181,7 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
             np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=f"critic {name}")
         history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "critic_version")
         # staleness 0: every group of step s was valued by critic version s, in both attempts
-        assert sorted((m.step, m.value) for m in history) == [(step, float(step)) for step in range(STEPS)]
+        assert sorted((m.step, m.value) for m in history) == [(step + 1, float(step)) for step in range(STEPS)]
 
 
 def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
@@ -257,7 +257,7 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     assert step % 2 == 0 and restarted_from < step < STEPS, step
     resumed = run_job(cfg, resume=run_id, echo=print)
     assert resumed.run_id == run_id
-    assert resumed.metrics["step"].tolist() == list(range(step, STEPS))
+    assert resumed.metrics["step"].tolist() == list(range(step + 1, STEPS + 1))
     assert_exactly_once(final_ledger(tmp_path, run_id), max_staleness=1)
     mlflow.set_tracking_uri(cfg.tracking_uri())
     run = mlflow.get_run(run_id)
@@ -266,7 +266,7 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     # trained them: the first (before the restart), the restarted one, the resume.
     client = mlflow.tracking.MlflowClient()
     for metric in ("reward_mean", "policy_loss", "staleness_max"):
-        assert sorted(m.step for m in client.get_metric_history(run_id, metric)) == list(range(STEPS)), metric
+        assert sorted(m.step for m in client.get_metric_history(run_id, metric)) == list(range(1, STEPS + 1)), metric
     attempts = {m.step: m.value for m in client.get_metric_history(run_id, "attempt")}
     assert attempts == {s: 1.0 if s < restarted_from else 2.0 if s < step else 3.0 for s in range(STEPS)}, attempts
     assert run.data.tags["attempts"] == "3"

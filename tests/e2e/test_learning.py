@@ -109,5 +109,5 @@ def test_tiny_ppo_with_a_critic_learns(ray_cluster, tmp_path):
     explained = result.metrics["explained_variance"]
     assert explained.tail(10).mean() > explained.head(10).mean(), explained.tolist()
     # Every group was valued by a critic at least as new as the policy that sampled it (the Value stage's gate).
-    assert (result.metrics["critic_version"] >= result.metrics["step"] - cfg.train.max_staleness).all()
+    assert (result.metrics["critic_version"] >= result.metrics["step"] - 1 - cfg.train.max_staleness).all()
     assert (result.checkpoint / "critic" / "model" / "model.safetensors").is_file()

@@ -43,7 +43,7 @@ def test_staleness_bound_and_exactly_once(ray_cluster, tmp_path, max_staleness):
     cfg = short_job(tmp_path, max_staleness, **({"reward.placement": "stage"} if max_staleness == 2 else {}))
     result = run_job(cfg)
     metrics = result.metrics
-    assert metrics["step"].tolist() == list(range(STEPS))  # every step ran: no deadlock
+    assert metrics["step"].tolist() == list(range(1, STEPS + 1))  # every step ran: no deadlock
     mlflow.set_tracking_uri(cfg.tracking_uri())
     groups = rollouts_of(result.run_id)
     assert len(groups) == STEPS * GROUPS
@@ -90,7 +90,7 @@ def test_lineage_recorded_in_mlflow(ray_cluster, tmp_path):
     for metric in ("reward_mean", "success_rate", "policy_loss", "clip_fraction", "entropy", "staleness_max",
                    "tokens_per_s", "time_generate", "time_reward", "time_train", "trainer_idle_fraction"):
         history = client.get_metric_history(result.run_id, metric)
-        assert sorted(m.step for m in history) == list(range(STEPS)), metric
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), metric
     (efficiency,) = client.get_metric_history(result.run_id, "job_overlap_efficiency")
     assert efficiency.step == STEPS and 0.0 < efficiency.value <= 1.0 + 1e-9
     groups = rollouts_of(result.run_id)

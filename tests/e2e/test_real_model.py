@@ -63,7 +63,7 @@ def test_the_chat_template_and_the_system_prompt_were_applied(job):
         assert text == (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
                         f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
     lineage = subprocess.run([sys.executable, "-m", "pipelines.cli", "lineage", run_id, "--output-dir", str(out),
-                              "--step", str(STEPS - 1)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                              "--step", str(STEPS)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert lineage.returncode == 0, lineage.stderr
     assert "prompts as the model read them" in lineage.stdout and "<|im_start|>assistant" in lineage.stdout
 

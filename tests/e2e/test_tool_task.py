@@ -44,8 +44,8 @@ def test_the_tiny_tool_task_learns_to_call_the_calculator(ray_cluster, tmp_path)
     assert held.loc[cfg.train.steps, "eval/success_rate"] - held.loc[0, "eval/success_rate"] >= 0.3, held
     # MLflow has every step's tool metrics once; the rollouts keep each episode's turns.
     client = MlflowClient(cfg.tracking_uri())
-    assert sorted(m.step for m in client.get_metric_history(result.run_id, "tool_calls")) == list(range(cfg.train.steps))
-    step = cfg.train.steps - 1
+    assert sorted(m.step for m in client.get_metric_history(result.run_id, "tool_calls")) == list(range(1, cfg.train.steps + 1))
+    step = cfg.train.steps
     rollouts = pd.read_parquet(find_rollouts(tmp_path, result.run_id, step))
     turns = [json.loads(text) for cell in rollouts["turns"] for text in cell]
     called = [t for t in turns if t[0].get("tool_call")]

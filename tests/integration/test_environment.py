@@ -180,11 +180,11 @@ def test_lineage_shows_the_turns_of_a_step(tmp_path):
     rollouts.mkdir(parents=True)
     pd.DataFrame({"group_uid": ["g0"], "prompt_id": ["tools-00000"], "prompt": ["47+38="], "rewards": [[1.0, 0.0]],
                   "episode_ends": [["eos", "max_turns"]], "turns": [[json.dumps(turns), json.dumps(turns[:1])]]}
-                 ).to_parquet(rollouts / "step_000000.parquet")
-    text = lineage_command("run1", 0, None, str(tmp_path), False)
+                 ).to_parquet(rollouts / "step_000001.parquet")
+    text = lineage_command("run1", 1, None, str(tmp_path), False)
     assert "episodes (2)" in text and "g0 #0 '47+38=': reward 1, ended by eos" in text
     assert "1. '[47+38]' call calculator(47+38) -> '{85}'" in text and "2. '85'" in text
-    info = json.loads(lineage_command("run1", 0, None, str(tmp_path), True))
+    info = json.loads(lineage_command("run1", 1, None, str(tmp_path), True))
     assert [len(e["turns"]) for e in info["episodes"]] == [2, 1]
 
 

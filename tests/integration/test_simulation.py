@@ -224,7 +224,7 @@ def test_simulated_dag_bound_exactly_once_and_async_faster(ray_cluster, tmp_path
     walls, spanning = {}, {}
     for name, (max_staleness, rollout) in runs.items():
         rows, times, schedule = run_sim(ray_cluster, tmp_path, max_staleness, cost, **rollout)
-        assert [row["step"] for row in rows] == list(range(STEPS))  # no deadlock
+        assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # no deadlock
         groups = pd.concat([row["rollouts"] for row in rows], ignore_index=True)
         expected = [uid for frame in schedule for uid in frame["group_uid"]]
         assert sorted(groups["group_uid"]) == sorted(expected) and groups["group_uid"].is_unique

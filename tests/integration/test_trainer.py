@@ -293,10 +293,10 @@ def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_c
                       rollouts_dir=str(tmp_path / "rollouts"), checkpoints=StepCheckpoints(str(tmp_path / "run")))
         (out,) = list(train(pd.DataFrame(rows)))
         metrics = out.iloc[0]
-        assert "rollouts_parquet" not in metrics and metrics["rollouts_path"] == str(tmp_path / "rollouts" / "step_000002.parquet")
-        assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["step_000002.parquet"]  # no temporary left
+        assert "rollouts_parquet" not in metrics and metrics["rollouts_path"] == str(tmp_path / "rollouts" / "step_000003.parquet")
+        assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["step_000003.parquet"]  # no temporary left
         (kept,) = CheckpointDir(tmp_path / "run").at_step(3).step_rows()
-        assert kept["rollouts_path"] == metrics["rollouts_path"] and kept["step"] == 2
+        assert kept["rollouts_path"] == metrics["rollouts_path"] and kept["step"] == 3
         logged = pd.read_parquet(metrics["rollouts_path"])
         values = np.concatenate([np.asarray(a, dtype=float) for a in logged["advantages"]])
         # values 1, 0, 0, 3, 2, 2, 2, 4, each weighted by its response's token count
