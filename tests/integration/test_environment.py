@@ -88,7 +88,7 @@ def test_an_environment_that_cannot_be_imported_is_a_config_error_naming_the_fix
 
 
 def test_episode_token_rewards_put_each_turn_reward_on_its_last_token():
-    from operators.advantage import episode_token_rewards, gae, masked_token_estimate, sequence_kl_penalty
+    from operators.algorithms.estimators import episode_token_rewards, gae, masked_token_estimate, sequence_kl_penalty
 
     mask = [1, 1, 0, 0, 1, 1, 1, 0]  # turn, observation, turn, observation
     rewards = episode_token_rewards(1.5, mask, [0.5, None])
