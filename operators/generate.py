@@ -53,8 +53,8 @@ from typing import Iterator
 
 import pandas as pd
 
-from operators.engines import SamplingParams, make_engine
-from operators.engines.base import make_in_flight_engine
+from operators.engines.base import SamplingParams
+from operators.engines.factory import make_engine, make_in_flight_engine
 from operators.prompts import PromptFormat, PromptRenderer, is_messages
 from operators.weights import fetch
 

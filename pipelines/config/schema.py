@@ -208,11 +208,11 @@ class VLLMOptions(_Section):
 
 
 def has_in_flight_form(engine: str) -> bool:
-    """operators.engines.base.has_in_flight_form, which is imported (numpy) only for an engine class
+    """operators.engines.factory.has_in_flight_form, which is imported only for an engine class
     ('module:Class', e.g. the benchmarks' simulator set after validation), not for hf and vllm."""
     if engine in ("hf", "vllm"):
         return engine == "vllm"
-    from operators.engines.base import has_in_flight_form as of_class
+    from operators.engines.factory import has_in_flight_form as of_class
 
     return of_class(engine)
 

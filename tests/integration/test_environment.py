@@ -198,8 +198,8 @@ def test_max_turns_and_the_token_budget_end_episodes_and_without_partial_rollout
     from reward_fixtures import Chatter, WrongAnswers
     from safetensors.numpy import load_file
 
-    from operators.engines import SamplingParams
-    from operators.engines.base import make_in_flight_engine
+    from operators.engines.base import SamplingParams
+    from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop, wait_all
 
     engine = make_in_flight_engine("vllm", tiny_model_path, gpu_memory_utilization=0.1, max_model_len=64)
