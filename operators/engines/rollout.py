@@ -24,10 +24,11 @@ each submits its prompt groups here and gets every group back the moment its `n`
   (`GroupResult.token_versions`); the engine's contract guarantees that tokens sampled before a
   pause are delivered before `resume()`, and the version changes only just before `resume()`.
   A group's staleness is that of its oldest token.
-- **Update log.** `updates` holds, per update: the version, the pull and prepare seconds
-  (overlapped with decoding) and the pause (the only stall: pause/drain + load + resume).
+- **Update log.** Each update's `UpdateRecord` (the version, the pull and prepare seconds,
+  overlapped with decoding, and the pause: the only stall, pause/drain + load + resume) goes to the
+  store's load log (`record_load`); `load_policy` returns it.
 - **Multi-turn.** `submit_episodes` runs episodes against an environment, turn by turn
-  (operators/engines/episodes.py, mixed into the loop); what the loop hands back and records is in
+  (operators/engines/episodes.py, mixed into the loop); what the loop hands back and reports is in
   operators/engines/rollout_records.py.
 """
 
@@ -75,7 +76,6 @@ class RolloutLoop(MultiTurnEpisodes):
         self.store = store
         self.name = name  # reported with each update to the store (its load log)
         self.version = initial_version
-        self.updates: list[UpdateRecord] = []
         self.in_flight = 0  # sequences in the engine (or waiting for its resume)
         self.peak_in_flight = 0
         self.tokens_received = 0
@@ -235,7 +235,6 @@ class RolloutLoop(MultiTurnEpisodes):
             del self._pauses[:-64]
             record = UpdateRecord(version, pull_s, prepare_s, paused - start, loaded - paused, end - start, in_flight,
                                   episode_wait_s=start - waited)
-            self.updates.append(record)
             return record
 
     async def _watch(self) -> None:

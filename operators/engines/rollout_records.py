@@ -1,4 +1,4 @@
-"""What the in-flight rollout loop (operators/engines/rollout.py) hands back and keeps: a prompt group's
+"""What the in-flight rollout loop (operators/engines/rollout.py) hands back and reports: a prompt group's
 responses with the policy version of every token (`GroupResult`), a multi-turn response's turns
 (`Episode`), and one weight update's timings (`UpdateRecord`)."""
 
