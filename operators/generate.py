@@ -248,6 +248,8 @@ class Generate:
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
+        if self.environment is not None:  # after the rollout: no episode calls a tool any more
+            self.environment.close()
 
     def __del__(self):
         try:
