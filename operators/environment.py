@@ -14,7 +14,7 @@ An environment is a class with two methods, named in the config like a reward fu
                 return EnvStep(reward=1.0, done=True)
             return EnvStep(observation="higher" if guess < self.secret else "lower")
 
-The rollout (operators/engines/rollout.py, `RolloutLoop.submit_episodes`) runs each episode: a model
+The rollout (operators/engines/episodes.py, `RolloutLoop.submit_episodes`) runs each episode: a model
 turn (one request to the in-flight engine, ended by EOS, a stop string or the turn's token
 limit), then `step` (in a worker thread, so a slow environment never holds the engine), the
 observation's tokens appended to the context, and again, until `done`, a turn that ends with
