@@ -14,7 +14,7 @@ An environment is a class with two methods, named in the config like a reward fu
                 return EnvStep(reward=1.0, done=True)
             return EnvStep(observation="higher" if guess < self.secret else "lower")
 
-The rollout (operators/engines/rollout.py, `RolloutLoop.submit_episodes`) runs each episode: a model
+The rollout (operators/engines/episodes.py, `RolloutLoop.submit_episodes`) runs each episode: a model
 turn (one request to the in-flight engine, ended by EOS, a stop string or the turn's token
 limit), then `step` (in a worker thread, so a slow environment never holds the engine), the
 observation's tokens appended to the context, and again, until `done`, a turn that ends with
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -133,19 +134,32 @@ def resolve_tool(name: str) -> Callable[..., str]:
 
 class EnvironmentFactory:
     """Makes one environment per episode: `resolve_environment(name)(**options)`. Picklable (it travels
-    to the Generate actors with their arguments); the class is resolved in the process that uses it."""
+    to the Generate actors with their arguments); the class is resolved in the process that uses it.
+
+    It owns what its episodes share: the sandbox pools of their tool calls (`SandboxPools`), handed to an
+    environment class whose constructor takes `sandbox_pools` (ToolEnvironment does), so one Generate
+    actor's episodes share its sandbox processes; `close()` (the Generate operator's) stops them."""
 
     def __init__(self, name: str, options: dict | None = None):
         self.name, self.options = name, dict(options or {})
         self._cls = None
+        self.sandbox_pools = SandboxPools()
 
     def __getstate__(self):
-        return {"name": self.name, "options": self.options, "_cls": None}
+        return {"name": self.name, "options": self.options}
+
+    def __setstate__(self, state):
+        self.__init__(state["name"], state["options"])
 
     def __call__(self) -> Environment:
         if self._cls is None:
             self._cls = resolve_environment(self.name)
+        if "sandbox_pools" in inspect.signature(self._cls).parameters:
+            return self._cls(**self.options, sandbox_pools=self.sandbox_pools)
         return self._cls(**self.options)
+
+    def close(self) -> None:
+        self.sandbox_pools.close()
 
 
 # --- tools ----------------------------------------------------------------------------------------
@@ -180,17 +194,27 @@ class SandboxPool:
             sandbox.close()
 
 
-_POOLS: dict[tuple, SandboxPool] = {}  # per tool set and size, per process: shared by its episodes
-_POOLS_LOCK = threading.Lock()
+class SandboxPools:
+    """The sandbox pools of one owner (an EnvironmentFactory, shared by its episodes; or a ToolEnvironment
+    made without one), one per tool set, size and limits, made on first use; stopped by `close()`."""
 
+    def __init__(self):
+        self._pools: dict[tuple, SandboxPool] = {}
+        self._lock = threading.Lock()  # episodes' tool calls run in several threads at once
 
-def tool_sandbox(tools: Sequence[str], size: int = 4, limits=None) -> SandboxPool:
-    """The process's sandbox pool for these tools (and limits: an operators.sandbox.SandboxLimits)."""
-    key = (tuple(tools), int(size), limits)
-    with _POOLS_LOCK:
-        if key not in _POOLS:
-            _POOLS[key] = SandboxPool(key[0], key[1], limits)
-        return _POOLS[key]
+    def get(self, tools: Sequence[str], size: int = 4, limits=None) -> SandboxPool:
+        """The pool for these tools (and limits: an operators.sandbox.SandboxLimits)."""
+        key = (tuple(tools), int(size), limits)
+        with self._lock:
+            if key not in self._pools:
+                self._pools[key] = SandboxPool(key[0], key[1], limits)
+            return self._pools[key]
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
 
 
 class ToolEnvironment:
@@ -203,12 +227,17 @@ class ToolEnvironment:
     (only "error" with `error_detail` False, for a vocabulary that cannot spell the details).
     `max_result_chars` cuts a long result. `sandboxes`: sandbox processes per generate actor, shared by
     its episodes (tool calls that run at once). `limits`: what each sandbox child may use
-    (operators.sandbox.SandboxLimits; a job passes its `sandbox` config's)."""
+    (operators.sandbox.SandboxLimits; a job passes its `sandbox` config's). `sandbox_pools`: where the
+    sandboxes come from (the EnvironmentFactory's, shared by the actor's episodes); without it, the
+    environment makes its own on its first call and stops them on `close()`."""
 
     def __init__(self, tools: Sequence[str] = ("calculator",), call_start: str = "[", call_end: str = "]",
                  result_start: str = "{", result_end: str = "}", separator: str = ":", timeout_s: float = 5.0,
-                 max_result_chars: int = 200, error_detail: bool = True, sandboxes: int = 4, limits=None):
+                 max_result_chars: int = 200, error_detail: bool = True, sandboxes: int = 4, limits=None,
+                 sandbox_pools: SandboxPools | None = None):
         self.limits = limits
+        self.sandbox_pools = sandbox_pools
+        self._owns_pools = sandbox_pools is None
         if not tools:
             raise ValueError("tools: name at least one tool (a builtin such as 'calculator', or 'module:function')")
         if not call_start or not call_end:
@@ -265,7 +294,10 @@ class ToolEnvironment:
             if not isinstance(result, str):
                 return None, f"TypeError: tool {tool!r} returned {type(result).__name__}, not a string"
             return result, None
-        result, problem = tool_sandbox(self.tools, self.sandboxes, self.limits).call(tool, arguments, self.timeout_s)
+        if self.sandbox_pools is None:
+            self.sandbox_pools = SandboxPools()
+        pool = self.sandbox_pools.get(self.tools, self.sandboxes, self.limits)
+        result, problem = pool.call(tool, arguments, self.timeout_s)
         if problem == "timeout":
             return None, f"timeout: no answer within {self.timeout_s:g}s"
         return (result, None) if problem is None else (None, problem)
@@ -280,6 +312,11 @@ class ToolEnvironment:
         text = text[: self.max_result_chars]
         return EnvStep(observation=f"{self.result_start}{text}{self.result_end}", tool_call=f"{tool}({arguments})",
                        error=error)
+
+    def close(self) -> None:
+        """Stop the sandboxes this environment made for itself (not those of a factory it was given)."""
+        if self._owns_pools and self.sandbox_pools is not None:
+            self.sandbox_pools.close()
 
 
 def sandbox_tool_result(fn: Callable[..., str], args: list, kwargs: dict) -> str:

@@ -53,8 +53,9 @@ from typing import Iterator
 
 import pandas as pd
 
-from operators.engines import SamplingParams, make_engine
-from operators.engines.base import make_in_flight_engine
+from operators.engines.base import SamplingParams
+from operators.engines.factory import make_engine, make_in_flight_engine
+from operators.plain import plain
 from operators.prompts import PromptFormat, PromptRenderer, is_messages
 from operators.weights import fetch
 
@@ -179,7 +180,7 @@ class Generate:
             from operators.reward import PIPELINE_COLUMNS
 
             columns = [c for c in batch.columns if c not in PIPELINE_COLUMNS]
-            rows = [{c: _plain(v) for c, v in row.items()} for row in batch[columns].to_dict("records")]
+            rows = [{c: plain(v) for c, v in row.items()} for row in batch[columns].to_dict("records")]
             return batch, prompt_ids, self.rollout.submit_episodes(
                 prompt_ids, params, seeds, uids, self.environment, rows, self.max_turns, self.max_episode_tokens)
         return batch, prompt_ids, self.rollout.submit(prompt_ids, params, seeds, uids)
@@ -243,14 +244,12 @@ class Generate:
             add_episode_columns(batch, [r.episodes for r in results])
         return batch
 
-    def update_log(self) -> list[dict]:
-        """The in-flight engine's weight updates so far (pull, prepare, pause per version)."""
-        return [] if self.rollout is None else [dict(vars(u)) for u in self.rollout.updates]
-
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
+        if self.environment is not None:  # after the rollout: no episode calls a tool any more
+            self.environment.close()
 
     def __del__(self):
         try:
@@ -310,13 +309,6 @@ class Generate:
         batch["generate_end"] = time.time()
         self.weight_sync_seconds = 0.0
         return batch
-
-
-def _plain(value):
-    """A dataset cell as plain Python (numpy scalars and arrays become numbers and lists)."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return value
 
 
 def add_episode_columns(batch: pd.DataFrame, groups: list[list]) -> None:

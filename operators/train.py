@@ -99,7 +99,7 @@ class Train:
         True means a graceful stop: that step is checkpointed and its row says `stopped`
         (pipelines.recovery.preemption.StopRequest). `prior_ledger`: the ledger (LEDGER_COLUMNS, parquet) of
         the checkpoint the job resumed from. `whiten_advantages`: whiten each step's advantages over the whole step
-        (operators.advantage.whiten_over_step; REINFORCE++, GAE) before training on them: "token" over
+        (operators.algorithms.estimators.whiten_over_step; REINFORCE++, GAE) before training on them: "token" over
         every trained token (a response's advantage counts once per token, observation tokens not at all),
         "response" once per response; None: not. `generated_per_step`:
         groups scheduled per step (default groups_per_step); with `dynamic_sampling` the step trains
@@ -228,7 +228,7 @@ class Train:
         one mean and std), when asked for."""
         if not self.whiten_advantages:
             return rows
-        from operators.advantage import whiten_over_step
+        from operators.algorithms.estimators import whiten_over_step
 
         masks = [token_masks(row) for row in rows] if self.whiten_advantages == "token" else None
         whitened = whiten_over_step([row["advantages"] for row in rows], masks)

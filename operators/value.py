@@ -1,4 +1,4 @@
-"""Value operator: the critic's value of every response token, for GAE (operators.advantage).
+"""Value operator: the critic's value of every response token, for GAE (operators.algorithms.estimators).
 
 Use it in any Ray Data job (scoring rollouts with a trained critic) or in the RL pipeline:
 

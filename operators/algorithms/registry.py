@@ -57,8 +57,8 @@ BUILTIN_NAMES = {
     ("operators.algorithms.losses", "POLICY_LOSSES"): ("decoupled_ppo", "gspo", "ppo_clip"),
     ("operators.algorithms.losses", "LOSS_AGGREGATIONS"): ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"),
     ("operators.algorithms.losses", "KL_ESTIMATORS"): ("k1", "k2", "k3"),
-    ("operators.advantage", "ADVANTAGE_ESTIMATORS"): ("dr_grpo", "grpo", "grpo_no_std", "reinforce_pp_baseline", "rloo"),
-    ("operators.advantage", "TOKEN_ESTIMATORS"): ("gae",),
+    ("operators.algorithms.estimators", "ADVANTAGE_ESTIMATORS"): ("dr_grpo", "grpo", "grpo_no_std", "reinforce_pp_baseline", "rloo"),
+    ("operators.algorithms.estimators", "TOKEN_ESTIMATORS"): ("gae",),
 }
 
 

@@ -1,4 +1,5 @@
-"""The interface every generation engine implements, so `Generate` does not care which runs."""
+"""The interface every generation engine implements, so `Generate` does not care which runs (which class
+runs an engine name: operators/engines/factory.py)."""
 
 from __future__ import annotations
 
@@ -39,55 +40,6 @@ class RolloutEngine(Protocol):
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Prompt token ids (with BOS where the tokenizer adds it)."""
-
-
-def engine_class(name: str):
-    """The class an engine name names: "module:Class" (an engine of one's own, e.g. the benchmarks'
-    simulator, benchmarks/sim_engine.py), imported here."""
-    import importlib
-
-    module, _, attribute = name.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"unknown rollout engine {name!r}; use 'hf', 'vllm' or 'module:Class'")
-    try:
-        return getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"rollout engine {name!r} cannot be imported ({err}); check the module path "
-                         "(importable from the working directory) and the class name") from None
-
-
-def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
-    """'hf', 'vllm', or 'module:Class' (any class with RolloutEngine's methods, built as
-    Class(model_path, **options))."""
-    if name == "hf":
-        from operators.engines.hf import HFEngine
-
-        return HFEngine(model_path, **options)
-    elif name == "vllm":
-        from operators.engines.vllm import VLLMEngine
-
-        return VLLMEngine(model_path, **options)
-    return engine_class(name)(model_path, **options)
-
-
-def has_in_flight_form(name: str) -> bool:
-    """Whether engine `name` can keep many requests in flight (InFlightEngine): vLLM, or an engine class
-    that implements `stream`."""
-    if name in ("hf", "vllm"):
-        return name == "vllm"
-    return hasattr(engine_class(name), "stream")
-
-
-def make_in_flight_engine(name: str, model_path: str, **options) -> InFlightEngine:
-    """The in-flight form of engine `name`, for a RolloutLoop (operators/engines/rollout.py)."""
-    if name == "vllm":
-        from operators.engines.vllm_async import AsyncVLLMEngine
-
-        return AsyncVLLMEngine(model_path, **options)
-    if not has_in_flight_form(name):
-        raise ValueError(f"rollout engine {name!r} has no in-flight form (call-synchronous only); "
-                         "use vllm, an engine class with `stream`, or rollout.in_flight: false")
-    return engine_class(name)(model_path, **options)
 
 
 # --- in-flight engines ---------------------------------------------------------------------------

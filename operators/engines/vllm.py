@@ -58,7 +58,7 @@ from operators.weights import WeightSet, as_weight_set
 
 logger = logging.getLogger(__name__)
 
-_GREEDY_EPS = 1e-5  # vLLM treats temperature < 1e-5 as greedy
+GREEDY_EPS = 1e-5  # vLLM treats temperature < 1e-5 as greedy
 WORKER_EXTENSION = "operators.engines.vllm_worker.WeightLoader"
 
 
@@ -168,7 +168,7 @@ def request_sampling(params: SamplingParams, seed: int, **extra: Any):
     """vLLM's SamplingParams for one request of `params` (greedy at temperature 0: n must then be 1)."""
     from vllm import SamplingParams as VLLMSamplingParams
 
-    greedy = params.temperature < _GREEDY_EPS
+    greedy = params.temperature < GREEDY_EPS
     return VLLMSamplingParams(
         n=1 if greedy else params.n,
         temperature=params.temperature,
@@ -335,7 +335,7 @@ class VLLMEngine(VLLMBase):
 
         if not prompt_token_ids:
             return []
-        greedy = params.temperature < _GREEDY_EPS
+        greedy = params.temperature < GREEDY_EPS
         if params.top_p < 1.0 and not greedy and not self._warned_top_p:
             logger.warning(
                 "top_p=%s < 1: vLLM's log-probs are renormalised over the nucleus; HFEngine's are not",

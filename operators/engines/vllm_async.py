@@ -30,7 +30,7 @@ import time
 from typing import Any, AsyncIterator
 
 from operators.engines.base import SamplingParams, TokenDelta
-from operators.engines.vllm import _GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
+from operators.engines.vllm import GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
 from operators.prompts import first_stop
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class AsyncVLLMEngine(VLLMBase):
 
         prompt = {"prompt_token_ids": [int(t) for t in prompt_token_ids], "cache_salt": cache_salt}
         sampling = request_sampling(params, seed, output_kind=RequestOutputKind.DELTA, stop_token_ids=list(self.stop_ids))
-        if params.temperature < _GREEDY_EPS and params.n > 1:
+        if params.temperature < GREEDY_EPS and params.n > 1:
             # vLLM rejects n > 1 for greedy requests: n requests of one sample, merged here
             streams = [self._one(prompt, sampling, f"{request_id}.{i}", sample=i) for i in range(params.n)]
             async for delta in _merge(streams):

@@ -229,11 +229,11 @@ class VLLMOptions(_Section):
 
 
 def has_in_flight_form(engine: str) -> bool:
-    """operators.engines.base.has_in_flight_form, which is imported (numpy) only for an engine class
+    """operators.engines.factory.has_in_flight_form, which is imported only for an engine class
     ('module:Class', e.g. the benchmarks' simulator set after validation), not for hf and vllm."""
     if engine in ("hf", "vllm"):
         return engine == "vllm"
-    from operators.engines.base import has_in_flight_form as of_class
+    from operators.engines.factory import has_in_flight_form as of_class
 
     return of_class(engine)
 
@@ -627,7 +627,7 @@ class AlgorithmConfig(_Section):
                                 f"{value} (the paper's), or leave it unset")
         from operators.algorithms.registry import is_registered
 
-        if self.dynamic_sampling and is_registered("operators.advantage", "TOKEN_ESTIMATORS", self.advantage):
+        if self.dynamic_sampling and is_registered("operators.algorithms.estimators", "TOKEN_ESTIMATORS", self.advantage):
             problems.append(f"algorithm.dynamic_sampling: it drops groups whose rewards agree, which carry no signal only for "
                             f"group-relative estimators; {self.advantage}'s advantages come from the critic and are not "
                             "zero there. Turn dynamic_sampling off, or use a group estimator (grpo, rloo, ...)")
@@ -690,10 +690,10 @@ class AlgorithmConfig(_Section):
     def _known_advantage(cls, name: str) -> str:
         from operators.algorithms.registry import is_registered, registry_of
 
-        if not (is_registered("operators.advantage", "ADVANTAGE_ESTIMATORS", name)
-                or is_registered("operators.advantage", "TOKEN_ESTIMATORS", name)):
-            names = (registry_of("operators.advantage", "ADVANTAGE_ESTIMATORS").names()
-                     + registry_of("operators.advantage", "TOKEN_ESTIMATORS").names())
+        if not (is_registered("operators.algorithms.estimators", "ADVANTAGE_ESTIMATORS", name)
+                or is_registered("operators.algorithms.estimators", "TOKEN_ESTIMATORS", name)):
+            names = (registry_of("operators.algorithms.estimators", "ADVANTAGE_ESTIMATORS").names()
+                     + registry_of("operators.algorithms.estimators", "TOKEN_ESTIMATORS").names())
             raise ValueError(f"unknown advantage estimator {name!r}; use one of {names}")
         return name
 
@@ -1115,8 +1115,8 @@ class JobConfig(_Section):
 
     def policy_budget(self) -> int:
         """The most tokens the policy writes per response (a multi-turn episode's turns together): the length
-        budget of the overlong shaping and Dr. GRPO's normaliser (operators.advantage.policy_token_budget)."""
-        from operators.advantage import policy_token_budget
+        budget of the overlong shaping and Dr. GRPO's normaliser (operators.algorithms.estimators.policy_token_budget)."""
+        from operators.algorithms.estimators import policy_token_budget
 
         env = self.rollout.environment
         return policy_token_budget(self.rollout.max_new_tokens,
@@ -1145,7 +1145,7 @@ class JobConfig(_Section):
     def _critic_problems(self, samples: int) -> list[str]:
         from operators.algorithms.registry import is_registered
 
-        token_level = is_registered("operators.advantage", "TOKEN_ESTIMATORS", self.algorithm.advantage)
+        token_level = is_registered("operators.algorithms.estimators", "TOKEN_ESTIMATORS", self.algorithm.advantage)
         if token_level and self.critic is None:
             return [f"algorithm.advantage: {self.algorithm.advantage} computes advantages from a critic's values, "
                     "and the config has no critic section; add one (critic: {lr: 0.001}) or use an outcome "

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from operators.advantage import STEP_WHITENED
+from operators.algorithms.estimators import STEP_WHITENED
 from operators.algorithms.correction import CorrectionSettings
 from operators.workers.settings import LrSchedule, TrainerSettings
 from operators.workers.train_worker import TrainWorker

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from operators.plain import plain
 from pipelines.recovery.checkpoint import Checkpoint, CheckpointDir, CheckpointError, checked_run_id, find_run_dirs, verify
 
 
@@ -202,15 +203,7 @@ def lineage_command(run_id: str | None, step: int | None, checkpoint: str | None
         raise LineageError("give a RUN_ID or --checkpoint PATH")
     info = lineage(opened, step)
     if as_json:
-        return json.dumps(info, indent=1, default=_plain)
+        return json.dumps(info, indent=1, default=lambda value: plain(value, otherwise=str))
     return format_lineage(info, step)
 
 
-def _plain(value):
-    if isinstance(value, (pd.Timestamp,)):
-        return str(value)
-    if hasattr(value, "item"):
-        return value.item()
-    if value is pd.NA:
-        return None
-    return str(value)

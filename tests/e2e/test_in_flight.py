@@ -46,7 +46,7 @@ def weights(tiny_model_path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def loop(tiny_model_path):
-    from operators.engines.base import make_in_flight_engine
+    from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop
 
     engine = make_in_flight_engine("vllm", tiny_model_path, gpu_memory_utilization=0.2, max_model_len=64)
@@ -111,7 +111,7 @@ def test_in_flight_logprobs_match_hf(loop, tiny_model_path):
 def test_cap_on_sequences_in_flight(untrained_model):
     """A small cap is never exceeded, and a group starts while earlier groups still decode (the untrained
     model's responses have long-tailed lengths)."""
-    from operators.engines.base import make_in_flight_engine
+    from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop, wait_all
 
     engine = make_in_flight_engine("vllm", untrained_model, gpu_memory_utilization=0.1, max_model_len=64,

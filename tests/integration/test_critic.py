@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 import torch
 
-from operators.advantage import (
+from operators.advantage import Advantage
+from operators.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     TOKEN_ESTIMATORS,
-    Advantage,
     estimator_kind,
     gae,
     outcome_token_rewards,

@@ -89,7 +89,7 @@ def test_an_environment_that_cannot_be_imported_is_a_config_error_naming_the_fix
 
 
 def test_episode_token_rewards_put_each_turn_reward_on_its_last_token():
-    from operators.advantage import episode_token_rewards, gae, masked_token_estimate, sequence_kl_penalty
+    from operators.algorithms.estimators import episode_token_rewards, gae, masked_token_estimate, sequence_kl_penalty
 
     mask = [1, 1, 0, 0, 1, 1, 1, 0]  # turn, observation, turn, observation
     rewards = episode_token_rewards(1.5, mask, [0.5, None])
@@ -199,8 +199,8 @@ def test_max_turns_and_the_token_budget_end_episodes_and_without_partial_rollout
     from reward_fixtures import Chatter, WrongAnswers
     from safetensors.numpy import load_file
 
-    from operators.engines import SamplingParams
-    from operators.engines.base import make_in_flight_engine
+    from operators.engines.base import SamplingParams
+    from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop, wait_all
 
     engine = make_in_flight_engine("vllm", tiny_model_path, gpu_memory_utilization=0.1, max_model_len=64)

@@ -120,7 +120,7 @@ def test_validate_cli_refuses_an_eval_dataset_without_its_prompt_column(tmp_path
 def test_hf_engine_decodes_greedily_at_temperature_zero(tiny_model_path):
     import torch
 
-    from operators.engines import SamplingParams
+    from operators.engines.base import SamplingParams
     from operators.engines.hf import HFEngine
 
     engine = HFEngine(tiny_model_path)

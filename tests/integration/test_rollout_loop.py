@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 
 from benchmarks.sim_engine import ENGINE as SIM
-from operators.engines import SamplingParams
-from operators.engines.base import make_in_flight_engine
+from operators.engines.base import SamplingParams
+from operators.engines.factory import make_in_flight_engine
 from operators.engines.rollout import RolloutLoop, wait_all
 
 # 1 ms of simulated time per tick, 20x faster: a 400-token response takes 20 ms real;
@@ -62,7 +62,7 @@ def test_cap_is_respected_and_freed_slots_are_refilled_while_group_mates_decode(
 
 
 def test_engine_lengths_follow_the_prompt_in_both_interfaces(cost_path):
-    from operators.engines import make_engine
+    from operators.engines.factory import make_engine
 
     loop = make_loop(cost_path, cap=64)
     try:
@@ -142,7 +142,7 @@ def test_an_engine_is_named_by_its_import_path_and_a_bad_one_says_why():
     """The package names only hf and vllm; any other engine (here the benchmarks' simulator) is
     'module:Class', and one that cannot be found is refused naming what to check."""
     from benchmarks.sim_engine import SimEngine
-    from operators.engines.base import engine_class, has_in_flight_form
+    from operators.engines.factory import engine_class, has_in_flight_form
 
     assert engine_class(SIM) is SimEngine and has_in_flight_form(SIM)
     assert has_in_flight_form("vllm") and not has_in_flight_form("hf")

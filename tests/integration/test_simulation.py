@@ -26,7 +26,8 @@ import pandas as pd
 import pytest
 
 from benchmarks.sim_engine import ENGINE as SIM, CostModel, DecodeServer, LengthModel, SimEngine
-from operators.engines import SamplingParams, make_engine
+from operators.engines.base import SamplingParams
+from operators.engines.factory import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -156,7 +156,7 @@ def test_sampling_groups_and_seeds(engine, hf, prompts):
 def test_make_engine_builds_vllm(monkeypatch):
     """The factory branch, without starting a second engine."""
     import operators.engines.vllm as vllm_engine
-    from operators.engines import make_engine
+    from operators.engines.factory import make_engine
 
     class Fake:
         def __init__(self, model_path, **options):

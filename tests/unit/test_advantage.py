@@ -4,10 +4,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from operators.advantage import (
+from operators.advantage import Advantage
+from operators.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     STEP_WHITENED,
-    Advantage,
     dr_grpo,
     grpo,
     grpo_no_std,

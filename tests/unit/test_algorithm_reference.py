@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from operators.advantage import (
+from operators.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     TOKEN_ESTIMATORS,
     episode_token_rewards,
