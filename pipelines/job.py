@@ -24,6 +24,7 @@ from typing import Callable
 import pandas as pd
 import ray
 
+from operators.sandbox import isolation
 from pipelines.config.schema import ConfigError, JobConfig
 from pipelines.dag import schedule_groups
 from pipelines.data.datasets import load_prompts, validate_prompts
@@ -128,6 +129,7 @@ def prepare(cfg: JobConfig, echo: Callable[[str], None], resume: str | None) -> 
     echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
          f"max_staleness={cfg.train.max_staleness}, model {model_path}")
     echo(announce_run(tracker))
+    echo(isolation(cfg.sandbox.limits().isolate_network)[1])  # what reward and tool code runs inside
     if resume is not None:
         where = f"checkpoint {checkpoint.path} (step {start})" if checkpoint else "the start (no checkpoint yet)"
         echo(f"streamrl: resuming run {run_id} from {where}")
