@@ -16,7 +16,8 @@ from operators.prompts import (
     PromptError, PromptFormat, PromptRenderer, cut_at_stop, message_problem, stop_token_ids,
 )
 from pipelines.config.schema import ConfigError, load_config
-from pipelines.data.datasets import load_prompts, validate_prompts
+from pipelines.data.datasets import load_prompts
+from pipelines.data.prompt_checks import validate_prompts
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
