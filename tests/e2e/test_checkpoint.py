@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from operators.train import _explode
-from pipelines.recovery.checkpoint import LEDGER_COLUMNS, CheckpointDir, CheckpointError, verify
+from operators.train import LEDGER_COLUMNS, _explode
+from pipelines.recovery.checkpoint import CheckpointDir, CheckpointError, verify
 from pipelines.config.schema import ConfigError, load_config
 from pipelines.recovery.resume import check_can_resume, config_changes, is_process_death, resolve_run, run_file_info
 from samples import step_samples
