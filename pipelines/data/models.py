@@ -78,7 +78,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]
 _RESOLVED: dict[tuple, str] = {}  # (path, revision, offline, the two caches) -> local folder, for this process
 
 
-
 def _config_error(field: str, message: str):
     from pipelines.config.schema import ConfigError  # pipelines.config.schema imports this module
 
