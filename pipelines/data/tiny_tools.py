@@ -27,17 +27,9 @@ import torch
 
 from operators.environment import MAX_EXPRESSION_CHARS, MAX_MAGNITUDE, calculator  # noqa: F401 - the task's tool
 from operators.reward import tool_answer_exact  # noqa: F401 - the task's reward
-from pipelines.data.tiny import (
-    CHARS,
-    SPECIAL_TOKENS,
-    build_cached,
-    choose_split,
-    load_model,
-    problem_table,
-    split_overrides,
-    build_char_tokenizer,
-)
-from pipelines.data.tiny import _build as tiny_build
+from pipelines.data.model_cache import build_cached
+from pipelines.data.tiny import CHARS, SPECIAL_TOKENS, build_char_tokenizer, choose_split, load_model, problem_table
+from pipelines.data.tiny_build import split_overrides, warm_up_and_save
 
 CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE = "[", "]", "{", "}"
 # Appended after tiny.CHARS: the ids of the arithmetic characters stay those of pipelines.data.tiny.
@@ -256,9 +248,9 @@ class _ToolWarmupData:
 
 
 def _build(path: Path, params: dict[str, Any], tokenizer) -> dict[str, Any]:
-    """pipelines.data.tiny's warm-up and save, on the tool task's batches."""
+    """pipelines.data.tiny_build's warm-up and save, on the tool task's batches."""
     data = _ToolWarmupData(tokenizer, params["warmup"], torch.Generator().manual_seed(params["seed"]))
-    return tiny_build(path, params, tokenizer, batches=lambda phase: data.batch(noisy=phase == "noisy"))
+    return warm_up_and_save(path, params, tokenizer, batches=lambda phase: data.batch(noisy=phase == "noisy"))
 
 
 def build_tiny_tool_model(cache_dir: str | Path | None = None, seed: int = 0, **overrides) -> Path:

@@ -94,7 +94,8 @@ class EvalSettings:
 def load_eval_prompts(cfg: JobConfig, model_path: str, echo: Callable[[str], None] = print) -> tuple[pd.DataFrame, str]:
     """The held-out prompts of `cfg.eval.data`: read, shuffled if asked, cut to eval.max_prompts, and
     checked row by row like the training prompts (problems are reported under eval.data)."""
-    from pipelines.data.datasets import load_prompts, validate_prompts
+    from pipelines.data.datasets import load_prompts
+    from pipelines.data.prompt_checks import validate_prompts
 
     data = cfg.eval.data
     try:

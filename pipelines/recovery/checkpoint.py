@@ -37,7 +37,6 @@ from pathlib import Path
 import pandas as pd
 
 from operators.durable import DiskFullError, folder_bytes, fsync_dir, is_disk_full, space_problem, write_json_atomic
-from operators.train import LEDGER_COLUMNS  # the Train operator writes the ledger; its columns are defined there
 
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
@@ -77,20 +76,12 @@ class Checkpoint:
     step: int
     state: dict
 
-    @property
-    def engine_dir(self) -> Path:
-        return self.path / ENGINE_DIR
-
     def ledger(self) -> pd.DataFrame:
         return pd.read_parquet(self.path / LEDGER)
 
     def step_rows(self) -> list[dict]:
-        """The metric rows this checkpoint keeps, oldest first: of every step before it (of only the steps
-        since the previous checkpoint for one written before 2026-12-02; [] for one older still)."""
-        file = self.path / STEP_ROWS
-        if not file.is_file():
-            return []
-        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        """The metric rows this checkpoint keeps, oldest first: of every step before it."""
+        return [json.loads(line) for line in (self.path / STEP_ROWS).read_text().splitlines() if line.strip()]
 
 
 def _files(folder: Path) -> list[Path]:
@@ -142,12 +133,12 @@ class CheckpointDir:
 
     def next_attempt(self) -> int:
         """Count one more try of this run (its first start, each restart, each resume) in the run file;
-        returns its number, 1 for the first. A run folder without a run file (written before this was
-        counted) starts at 1."""
+        returns its number, 1 for the first."""
         info = self.run_file()
-        attempt = int((info or {}).get("attempts", 0)) + 1
-        if info is not None:
-            self.write_run_file({**info, "attempts": attempt})
+        if info is None:
+            raise CheckpointError(f"{self.root} has no {RUN_FILE}: it is not a streamrl run folder")
+        attempt = int(info.get("attempts", 0)) + 1
+        self.write_run_file({**info, "attempts": attempt})
         return attempt
 
     def begin(self, step: int) -> Path:
@@ -157,9 +148,9 @@ class CheckpointDir:
         return tmp
 
     def commit(self, tmp: Path, step: int, state: dict, ledger: pd.DataFrame) -> Path:
-        """Add state and ledger, fsync every file, write the manifest last, rename into place."""
-        # reindex: a ledger carried over from a checkpoint written before a column existed gets it empty
-        ledger.reindex(columns=LEDGER_COLUMNS).to_parquet(tmp / LEDGER, index=False)
+        """Add state and ledger (the Train operator's, operators.train.LEDGER_COLUMNS), fsync every file, write
+        the manifest last, rename into place."""
+        ledger.to_parquet(tmp / LEDGER, index=False)
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "written_at": time.time()}, indent=1, default=str))
         entries = {}
         for file in _files(tmp):

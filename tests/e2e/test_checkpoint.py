@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 
 from operators.algorithms.step_batch import explode
-from pipelines.recovery.checkpoint import LEDGER_COLUMNS, CheckpointDir, CheckpointError, verify
+from operators.train import LEDGER_COLUMNS
+from pipelines.recovery.checkpoint import CheckpointDir, CheckpointError, verify
 from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config
 from pipelines.recovery.resume import check_can_resume, config_changes, is_process_death, resolve_run, run_file_info

@@ -85,7 +85,7 @@ def run_groups(loop, ids, params, tag: str, update=None, after_tokens: int = 0):
 def untrained_model(tmp_path_factory) -> str:
     """The tiny Llama without its warm-up: responses run long (EOS is rare), so groups decode through
     weight updates."""
-    from pipelines.data.tiny import build_tiny_model
+    from pipelines.data.tiny_build import build_tiny_model
 
     return str(build_tiny_model(warmup_clean_steps=0, warmup_steps=0))
 

@@ -19,7 +19,8 @@ import yaml
 from operators.reward import Reward
 from pipelines.config.schema import ConfigError, JobConfig, VLLMOptions
 from pipelines.config.load import load_config
-from pipelines.data.datasets import load_prompts, model_context_length, validate_prompts
+from pipelines.data.datasets import load_prompts
+from pipelines.data.prompt_checks import model_context_length, validate_prompts
 
 TESTS_ON_PATH = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
 

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from operators.eval_metrics import pass_at_k, pass_at_ks, summarize, summarize_greedy, summarize_sampled
-from pipelines.recovery.checkpoint import LEDGER_COLUMNS, CheckpointDir, dataset_digest
+from operators.train import LEDGER_COLUMNS
+from pipelines.recovery.checkpoint import CheckpointDir, dataset_digest
 from pipelines.cli import main
 from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config

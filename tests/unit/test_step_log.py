@@ -57,7 +57,6 @@ def test_dropped_rows_are_kept_as_an_artifact(tmp_path):
 
 def test_attempts_are_counted_in_the_run_file(tmp_path):
     run_dir = CheckpointDir(tmp_path / "run")
-    assert run_dir.next_attempt() == 1  # no run file (an older run): counts from 1, writes nothing
     run_dir.root.mkdir(parents=True, exist_ok=True)
     run_dir.write_run_file({"run_id": "r"})
     assert [run_dir.next_attempt() for _ in range(3)] == [1, 2, 3]
@@ -77,7 +76,6 @@ def test_backfill_logs_the_checkpointed_rows_nobody_logged(tmp_path):
     assert log.backfill(Checkpoint(folder, 4, {}), attempt=1, logged_before={0, 1, 2}) == [3]
     assert tracker.steps == [3] and log.logged == {0, 1, 2, 3}
     assert log.backfill(Checkpoint(folder, 4, {}), attempt=1, logged_before={0, 1, 2}) == []  # not twice
-    assert log.backfill(Checkpoint(tmp_path, 2, {}), attempt=1) == []  # an older checkpoint without the file
 
 
 def _write_checkpoint(run_dir: CheckpointDir, writer, step: int, new_rows: list[dict]):

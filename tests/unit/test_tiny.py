@@ -1,4 +1,4 @@
-"""Tests for pipelines/data/tiny.py: tokenizer, dataset, reward, cached tiny model build."""
+"""Tests for pipelines/data/tiny.py and tiny_build.py: tokenizer, dataset, reward, cached tiny model build."""
 
 from __future__ import annotations
 
@@ -12,15 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipelines.data.tiny import (  # noqa: E402
-    MARKER_FILE,
-    arithmetic_exact,
-    build_char_tokenizer,
-    build_tiny_model,
-    default_cache_dir,
-    make_arithmetic_dataset,
-    success_rate,
-)
+from pipelines.data.model_cache import MARKER_FILE, default_cache_dir  # noqa: E402
+from pipelines.data.tiny import arithmetic_exact, build_char_tokenizer, make_arithmetic_dataset, success_rate  # noqa: E402
+from pipelines.data.tiny_build import build_tiny_model  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -143,7 +137,8 @@ def test_build_tiny_model_cached(built):
     assert time.perf_counter() - t0 < 1.0
     assert marker.stat().st_mtime_ns == mtime
     # a different knob is a different folder (not built here: just the name)
-    from pipelines.data.tiny import _build_params, _params_hash
+    from pipelines.data.model_cache import _params_hash
+    from pipelines.data.tiny_build import _build_params
 
     assert _params_hash(_build_params(0, {})) in path.name
     assert _params_hash(_build_params(0, {"warmup_correct_prob": 0.2})) not in path.name

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipelines.data.tiny import MARKER_FILE, build_char_tokenizer  # noqa: E402
+from pipelines.data.model_cache import MARKER_FILE  # noqa: E402
+from pipelines.data.tiny import build_char_tokenizer  # noqa: E402
 from pipelines.data.tiny_tools import (  # noqa: E402
     build_tiny_tool_model,
     build_tool_tokenizer,
@@ -187,7 +188,7 @@ def test_tool_model_loadable(built):
 
 def test_tool_model_cached_and_deterministic_name(built):
     from pipelines.data.tiny_tools import _build_params
-    from pipelines.data.tiny import _params_hash
+    from pipelines.data.model_cache import _params_hash
 
     cache, path, seconds = built
     assert seconds < 120, seconds
