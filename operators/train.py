@@ -61,7 +61,7 @@ from operators.workers.engine_steps import NonFiniteError
 # sampling leaves some out, `dropped` says why: zero_variance or surplus); `trained`: the step's update was
 # applied (not skipped for a non-finite loss). `policy_version` / `policy_version_max`: the oldest / newest
 # version that sampled a token of the group. `generator_id`: the generate actor that sampled it (host:pid), so
-# a fault or an autoscaled pool can be traced to the actor (empty in ledgers written before it was kept).
+# a fault or an autoscaled pool can be traced to the actor.
 LEDGER_COLUMNS = ["train_step", "group_uid", "prompt_id", "epoch", "policy_version", "policy_version_max", "staleness",
                   "trained", "used", "dropped", "generator_id"]
 

@@ -27,7 +27,8 @@ import ray
 from operators.sandbox import isolation
 from pipelines.config.schema import ConfigError, JobConfig
 from pipelines.dag import schedule_groups
-from pipelines.data.datasets import load_prompts, validate_prompts
+from pipelines.data.datasets import load_prompts
+from pipelines.data.prompt_checks import validate_prompts
 from pipelines.data.models import resolve_job_models
 from pipelines.evaluation.in_training import load_eval_prompts
 from pipelines.evaluation.plan import EvalPlan
@@ -226,8 +227,6 @@ def weight_update_summary(loads: list[dict]) -> dict[str, float]:
 
 def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
     """Refuse (or drop, with data.invalid_prompts: drop) empty, too-long and duplicate-id prompts."""
-    from pipelines.data.prompt_checks import validate_prompts
-
     kept, dropped = validate_prompts(prompts, cfg, model_path)
     for kind, ids in dropped.items():
         if ids:

@@ -110,7 +110,7 @@ class StepLog:
         rows = [row for row in checkpoint.step_rows() if int(row["step"]) <= checkpoint.step
                 and int(row["step"]) not in self.logged]
         for row in rows:
-            self.tracker.log_step({"attempt": attempt, **row})  # a row written since 2026-12-02 says its own
+            self.tracker.log_step({"attempt": attempt, **row})  # a row says its own attempt (rows_through)
             self.logged.add(int(row["step"]))
         return [int(row["step"]) for row in rows]
 

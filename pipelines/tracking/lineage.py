@@ -113,12 +113,12 @@ def rollouts_file(checkpoint: Checkpoint, step: int) -> Path:
 def find_rollouts(output_dir: Path | str, run_id: str, step: int) -> Path:
     """Step `step`'s rollouts Parquet: output_dir/rollouts/RUN_ID/attempt_N/ of the newest attempt that trained
     the step (a restart trains the steps after its checkpoint again: the newest is the one the later
-    checkpoints carry on from), else output_dir/rollouts/RUN_ID/ (runs written before attempts had folders)."""
+    checkpoints carry on from); where no attempt kept it, the path it would have in attempt_1 (not a file)."""
     base = Path(output_dir) / "rollouts" / run_id
     name = f"step_{step:06d}.parquet"
     attempts = [(int(folder.name.removeprefix("attempt_")), folder) for folder in base.glob("attempt_*")
                 if folder.name.removeprefix("attempt_").isdigit() and (folder / name).is_file()]
-    return max(attempts)[1] / name if attempts else base / name
+    return max(attempts)[1] / name if attempts else base / "attempt_1" / name
 
 
 def step_episodes(checkpoint: Checkpoint, step: int) -> list[dict]:

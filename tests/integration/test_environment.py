@@ -176,7 +176,7 @@ def test_lineage_shows_the_turns_of_a_step(tmp_path):
     run_dir.commit(tmp, 1, {"run_id": "run1", "policy_version": 1}, ledger)
     turns = [{"text": "[47+38]", "tool_call": "calculator(47+38)", "observation": "{85}", "reward": None,
               "error": None}, {"text": "85", "tool_call": None, "reward": None, "error": None}]
-    rollouts = tmp_path / "rollouts" / "run1"
+    rollouts = tmp_path / "rollouts" / "run1" / "attempt_1"
     rollouts.mkdir(parents=True)
     pd.DataFrame({"group_uid": ["g0"], "prompt_id": ["tools-00000"], "prompt": ["47+38="], "rewards": [[1.0, 0.0]],
                   "episode_ends": [["eos", "max_turns"]], "turns": [[json.dumps(turns), json.dumps(turns[:1])]]}
