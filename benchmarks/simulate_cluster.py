@@ -270,7 +270,7 @@ def run_layout(layout: Layout, cost: CostModel, steps: int, workdir: Path) -> di
     cost_path.write_text(json.dumps(engine_cost.to_dict()))
     store_name = f"streamrl-sim-policy-{tag}"
     store = create_policy_store(store_name)
-    workers = sim_trainer.start_sim_trainers(str(cost_path), store_name, 1, {"sim_gpu": share * layout.train_gpus})
+    workers = sim_trainer.start_sim_trainers(str(cost_path), store, 1, {"sim_gpu": share * layout.train_gpus})
     cfg = job_config(layout, steps)
     schedule = schedule_groups(prompt_table(steps * GROUPS_PER_STEP), cfg)
     # Every Generate actor up before the first call is dispatched: an in-flight actor takes several calls at
@@ -278,7 +278,7 @@ def run_layout(layout: Layout, cost: CostModel, steps: int, workdir: Path) -> di
     ray.data.DataContext.get_current().wait_for_min_actors_s = 600
     rows, times = [], []
     try:
-        ds = build_rl_dataset(schedule, cfg, str(cost_path), store_name, workers,
+        ds = build_rl_dataset(schedule, cfg, str(cost_path), store, workers,
                               remote_args={"generate": {"resources": {
                                   "sim_gpu": share * layout.gen_gpus / layout.actors}}})
         started = time.perf_counter()
@@ -545,7 +545,7 @@ def _measure_train(path: Path) -> dict:
         store_name = f"calibrate-{uuid.uuid4().hex[:6]}"
         store = create_policy_store(store_name)
         settings = TrainerSettings(model_path=str(path), max_new_tokens=128)
-        worker = ray.remote(TrainWorker).options(num_cpus=1).remote(0, 1, _free_port(), settings, store_name)
+        worker = ray.remote(TrainWorker).options(num_cpus=1).remote(0, 1, _free_port(), settings, store)
         ray.get(worker.ready.remote())
         rng = np.random.default_rng(0)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]

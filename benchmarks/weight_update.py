@@ -40,7 +40,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 CHANNELS = ("before", "after_fp32", "after_bf16")
 
 
-def trainer(path: Path, dtype: str, store: str, port: int):
+def trainer(path: Path, dtype: str, store, port: int):
     from operators.workers.settings import LrSchedule, TrainerSettings
     from operators.workers.train_worker import TrainWorker
 
@@ -126,8 +126,8 @@ def main() -> None:
         store_name = f"weights-bench-{size}"
         store = create_policy_store(store_name)
         ray.get(store.get_version.remote())
-        workers = {"fp32": trainer(path, "fp32", store_name, _free_port()),
-                   "bf16": trainer(path, "bf16", store_name, _free_port())}
+        workers = {"fp32": trainer(path, "fp32", store, _free_port()),
+                   "bf16": trainer(path, "bf16", store, _free_port())}
         engine = VLLMEngine(str(path), gpu_memory_utilization=0.2, max_model_len=512, dtype="float32")
         times = {channel: [] for channel in CHANNELS}
         for repeat in range(args.repeats + 1):  # the first round warms every path up and is not kept

@@ -1,8 +1,13 @@
 """Fault points: named places where a test or a chaos run can stop a process at a chosen moment.
 
-Off unless `STREAMRL_FAULT_DIR` is set in the process's environment. Then, the first time a
-process reaches a fault point named in `STREAMRL_FAULT_POINTS` (comma-separated; default: all), it
-writes `<dir>/<name>.json` ({"pid", "name", "time", ...details}) and holds there for
+A `FaultPoints` value says which points are armed; the job builds it once, in the driver
+(`FaultPoints.from_environment()`, the only reader of the variables below), and passes it to the
+stages that have points, in their constructor kwargs like any other setting. Unarmed (the default,
+`FaultPoints()`), every point is a no-op.
+
+The variables, set on `streamrl run` by a test or benchmarks/chaos.py: `STREAMRL_FAULT_DIR` arms the
+points; the first time a process reaches a point named in `STREAMRL_FAULT_POINTS` (comma-separated;
+default: all), it writes `<dir>/<name>.json` ({"pid", "name", "time", ...details}) and holds there for
 `STREAMRL_FAULT_HOLD_S` seconds (default 30), long enough for the test to SIGKILL it in exactly that
 state. Each point fires once per directory: a restarted process passes it without holding.
 
@@ -14,20 +19,32 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 
 
-def fault_point(name: str, **details) -> None:
-    folder = os.environ.get("STREAMRL_FAULT_DIR")
-    if not folder:
-        return
-    points = os.environ.get("STREAMRL_FAULT_POINTS")
-    if points and name not in {p.strip() for p in points.split(",")}:
-        return
-    path = os.path.join(folder, f"{name}.json")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # once per directory
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w") as out:
-        json.dump({"pid": os.getpid(), "name": name, "time": time.time(), **details}, out)
-    time.sleep(float(os.environ.get("STREAMRL_FAULT_HOLD_S", "30")))
+@dataclass(frozen=True)
+class FaultPoints:
+    folder: str | None = None  # None: unarmed
+    points: tuple[str, ...] = ()  # () with a folder: every point
+    hold_s: float = 30.0
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> "FaultPoints":
+        folder = environ.get("STREAMRL_FAULT_DIR")
+        if not folder:
+            return cls()
+        points = tuple(p.strip() for p in environ.get("STREAMRL_FAULT_POINTS", "").split(",") if p.strip())
+        return cls(folder, points, float(environ.get("STREAMRL_FAULT_HOLD_S", "30")))
+
+    def reach(self, name: str, **details) -> None:
+        """Point `name` is reached: hold here once per folder if it is armed."""
+        if not self.folder or (self.points and name not in self.points):
+            return
+        path = os.path.join(self.folder, f"{name}.json")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # once per directory
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as out:
+            json.dump({"pid": os.getpid(), "name": name, "time": time.time(), **details}, out)
+        time.sleep(self.hold_s)

@@ -55,6 +55,7 @@ import pandas as pd
 
 from operators.engines.base import SamplingParams
 from operators.engines.factory import make_engine, make_in_flight_engine
+from operators.faults import FaultPoints
 from operators.plain import plain
 from operators.prompts import PromptFormat, PromptRenderer, is_messages
 from operators.weights import fetch
@@ -70,7 +71,7 @@ class Generate:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
-        policy_store: str | None = None,
+        policy_store=None,
         max_staleness: int = 0,
         admission_timeout_s: float | None = None,
         engine_options: dict | None = None,
@@ -80,6 +81,7 @@ class Generate:
         max_seqs_in_flight: int = 256,
         partial_rollout: bool = False,
         update_when: str = "drain",
+        faults: FaultPoints = FaultPoints(),
         environment: str | None = None,
         environment_options: dict | None = None,
         max_turns: int = 4,
@@ -125,15 +127,13 @@ class Generate:
         self.weight_sync_seconds = 0.0  # pulled and loaded since the last batch left
         self.busy_since: float | None = None  # wall clock when this call's work began
         self.generator_id = f"{os.uname().nodename}:{os.getpid()}"
-        if policy_store is not None:
-            import ray
-
-            self.store = ray.get_actor(policy_store)
+        if policy_store is not None:  # the weight channel: the store actor's handle, passed in by the job
+            self.store = policy_store
         if in_flight:
             self.rollout = RolloutLoop(self.engine, max_seqs_in_flight=max_seqs_in_flight,
                                        partial_rollout=partial_rollout, store=self.store,
                                        initial_version=policy_version, name=self.generator_id,
-                                       update_when=update_when)
+                                       update_when=update_when, faults=faults)
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
         # A generator: each yielded part leaves as its own block, so rows of an earlier

@@ -35,7 +35,7 @@ from operators.weights import as_weight_set, fetch
 
 
 class Value:
-    def __init__(self, model_path: str, value_store: str | None = None, torch_threads: int = 1,
+    def __init__(self, model_path: str, value_store=None, torch_threads: int = 1,
                  trust_remote_code: bool = False, admission_timeout_s: float | None = None):
         """`model_path`: the critic folder (a checkpoint's critic/model export, or with a store any folder of
         the same architecture: the store's weights replace its own)."""
@@ -55,9 +55,7 @@ class Value:
         self.store = None
         self.critic_version = 0  # the folder's weights
         if value_store is not None:
-            import ray
-
-            self.store = ray.get_actor(value_store)
+            self.store = value_store  # the critic's store actor (its handle, passed in by the job)
             self.critic_version = -1  # nothing from the store yet: the folder's head is not the trained one
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:

@@ -128,7 +128,7 @@ def build_dag(schedule: list[pd.DataFrame], stage_list: list[Stage]) -> ray.data
 
 
 def build_rl_dataset(
-    schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store: str, workers,
+    schedule: list[pd.DataFrame], cfg: JobConfig, model_path: str, store, workers,
     remote_args: dict[str, dict] | None = None, first_step: int = 0, checkpoint_options: dict | None = None,
     critics=None, replicas: ReplicaPlacement | None = None,
 ) -> ray.data.Dataset:

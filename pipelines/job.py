@@ -1,4 +1,4 @@
-"""The GRPO job: one Ray Data streaming DAG, prompts -> generate -> reward -> advantage -> train.
+"""The RL job (every estimator: GRPO, RLOO, PPO with GAE, ...): one Ray Data streaming DAG, prompts -> generate -> reward -> advantage -> train.
 
     run_job(cfg)
       prepare   resolve the model, check and schedule the prompts, open the run (or reopen it, --resume):

@@ -30,6 +30,7 @@ from ray.data import ActorPoolStrategy
 
 from operators.advantage import Advantage
 from operators.chain import Chain
+from operators.faults import FaultPoints
 from operators.generate import Generate
 from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
@@ -117,10 +118,10 @@ GENERATE_PRODUCES = ("prompt_token_ids", "responses", "response_token_ids", "beh
 REWARD_PRODUCES = ("rewards", "reward_errors", "reward_timeouts")
 
 
-def stages(cfg: JobConfig, model_path: str, store: str, workers, remote_args: dict[str, dict] | None = None,
+def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[str, dict] | None = None,
            first_step: int = 0, checkpoint_options: dict | None = None, critics=None,
            replicas: ReplicaPlacement | None = None) -> list[Stage]:
-    """The RL DAG's stages, in order. `store`: the policy store's name; `workers`: the trainer group.
+    """The RL DAG's stages, in order. `store`: the policy store actor (the weight channel's handle, passed to every stage that reads it); `workers`: the trainer group.
     `remote_args` adds Ray options per stage ("generate", "reward", "reference"), e.g.
     {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}. The schedule starts at
     `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
@@ -140,6 +141,7 @@ def stages(cfg: JobConfig, model_path: str, store: str, workers, remote_args: di
         engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None),
         in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
         partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
+        faults=FaultPoints.from_environment(),  # armed only by a test or a chaos run (operators/faults.py)
         **cfg.prompt_options(),
     )
     if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
@@ -187,7 +189,7 @@ def stages(cfg: JobConfig, model_path: str, store: str, workers, remote_args: di
     if critics is not None:
         out.append(Stage(
             Value,
-            dict(model_path=critics.model_path, value_store=critics.store_name, torch_threads=cfg.critic.torch_threads,
+            dict(model_path=critics.model_path, value_store=critics.store, torch_threads=cfg.critic.torch_threads,
                  trust_remote_code=cfg.model.trust_remote_code),
             ActorPoolStrategy(size=1), {"num_cpus": cfg.critic.value_num_cpus},
             requires=("prompt_token_ids", "response_token_ids"), produces=("values", "critic_version"),

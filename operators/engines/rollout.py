@@ -47,7 +47,7 @@ import numpy as np
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
 from operators.engines.episodes import MultiTurnEpisodes
 from operators.engines.rollout_records import GroupResult, UpdateRecord
-from operators.faults import fault_point
+from operators.faults import FaultPoints
 from operators.weights import received_async
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class RolloutLoop(MultiTurnEpisodes):
         initial_version: int = 0,
         name: str = "",
         update_when: str = "drain",
+        faults: FaultPoints = FaultPoints(),
     ):
+        """`faults`: the fault points armed for a test or a chaos run (operators/faults.py; none by default)."""
         if partial_rollout and not getattr(engine, "can_pause", False):
             raise ValueError(f"{type(engine).__name__} cannot pause requests in flight: partial rollout needs one that can")
         self.engine = engine
@@ -74,6 +76,7 @@ class RolloutLoop(MultiTurnEpisodes):
             raise ValueError(f"update_when: {update_when!r}; use 'drain' or 'idle'")
         self.update_when = update_when
         self.store = store
+        self.faults = faults
         self.name = name  # reported with each update to the store (its load log)
         self.version = initial_version
         self.in_flight = 0  # sequences in the engine (or waiting for its resume)
@@ -224,7 +227,7 @@ class RolloutLoop(MultiTurnEpisodes):
             in_flight, start_wall, start = self.in_flight, time.time(), time.perf_counter()
             await self.engine.pause("keep" if self.partial_rollout else "wait")
             if self.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine
-                fault_point("rollout_paused", version=version, in_flight=self.in_flight)
+                self.faults.reach("rollout_paused", version=version, in_flight=self.in_flight)
             paused = time.perf_counter()
             await self.engine.load_prepared(prepared)
             loaded = time.perf_counter()

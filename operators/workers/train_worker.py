@@ -53,9 +53,10 @@ class TrainWorker(StateIO):
     OPTIONAL_PER_TOKEN = ("proximal_logprobs", "ref_logprobs")
 
     def __init__(
-        self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store: str | None
+        self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store=None
     ):
-        """`policy_store`: name of the store actor rank 0 publishes to; None to publish nowhere
+        """`policy_store`: the handle of the store actor (the weight channel) rank 0 publishes to, passed in
+        by whoever made it (pipelines/runtime/policy_store.py); None to publish nowhere
         (a plain single-process loop pulls weights with `state_dict()` instead)."""
         import torch
 
@@ -73,11 +74,8 @@ class TrainWorker(StateIO):
         self.pad_id = model.config.pad_token_id or 0
         self._lm_head = chunkable_head(model)
         self._malloc_trim = libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
-        self.store = None
-        if rank == 0 and policy_store:  # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
-            import ray
-
-            self.store = ray.get_actor(policy_store)
+        # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
+        self.store = policy_store if rank == 0 else None
         # Under ZeRO-3 gathering the full weights is a collective: every rank takes part in a
         # publish, rank 0 alone sends them. (Small models hide this: DeepSpeed keeps parameters
         # below stage3_param_persistence_threshold whole on every rank, so nothing is gathered.)

@@ -34,7 +34,7 @@ class ValueWorker(TrainWorker):
     PER_TOKEN, OPTIONAL_PER_TOKEN = ("returns", "old_values"), ()
 
     def __init__(self, rank: int, world_size: int, master_port: int, settings: TrainerSettings,
-                 value_store: str | None, value_clip: float = 0.2):
+                 value_store, value_clip: float = 0.2):
         """`value_store`: the critic's store (a PolicyStore created with initial_version=-1). The head
         is initialised here, not in the folder, so rank 0 publishes it as version 0: the Value stage
         takes every critic version, the first included, from the store."""

@@ -144,7 +144,7 @@ class Evaluator:
     store, loads it, and returns the metrics and the scored rows (Parquet bytes)."""
 
     def __init__(self, prompts: pd.DataFrame, settings: EvalSettings, model_path: str, engine_options: dict,
-                 policy_store: str | None):
+                 policy_store=None):
         import ray
 
         from operators.generate import Generate
@@ -154,7 +154,7 @@ class Evaluator:
         self.settings = settings
         self.generate = Generate(**settings.generate_kwargs(model_path, engine_options))
         self.reward = Reward(**settings.reward_kwargs())
-        self.store = ray.get_actor(policy_store) if policy_store else None
+        self.store = policy_store  # the job's store actor (its handle), or None
 
     def evaluate(self, version: int) -> dict:
         import ray
@@ -191,7 +191,7 @@ class InTrainingEval:
     evaluation must not stop training."""
 
     def __init__(
-        self, cfg: JobConfig, prompts: pd.DataFrame, model_path: str, engine_options: dict, store_name: str,
+        self, cfg: JobConfig, prompts: pd.DataFrame, model_path: str, engine_options: dict, store,
         versions: list[int], tracker, echo: Callable[[str], None], rows: list[dict], artifacts_dir: Path,
     ):
         import ray
@@ -200,7 +200,7 @@ class InTrainingEval:
         options = {"num_cpus": ev.num_cpus, "num_gpus": ev.num_gpus, "resources": ev.resources}
         options = {key: value for key, value in options.items() if value}
         self.actor = ray.remote(Evaluator).options(**options).remote(
-            prompts, EvalSettings.of(cfg), model_path, engine_options, store_name
+            prompts, EvalSettings.of(cfg), model_path, engine_options, store
         )
         self.pending = [(version, self.actor.evaluate.remote(version)) for version in versions]
         self.tracker, self.echo, self.rows = tracker, echo, rows

@@ -34,12 +34,12 @@ class EvalPlan:
         done = {row["step"] for row in self.rows} | self.logged
         return [v for v in self.cfg.eval.versions(self.cfg.train.steps) if v >= first_step and v not in done]
 
-    def start(self, store_name: str, first_step: int, echo: Callable[[str], None]) -> InTrainingEval | None:
+    def start(self, store, first_step: int, echo: Callable[[str], None]) -> InTrainingEval | None:
         versions = self.versions(first_step)
         if not versions:
             return None
         options = engine_options(self.cfg, self.cfg.eval.engine)
-        return InTrainingEval(self.cfg, self.prompts, self.model_path, options, store_name,
+        return InTrainingEval(self.cfg, self.prompts, self.model_path, options, store,
                               versions, self.log, echo, self.rows, self.artifacts_dir)
 
     def forget_after(self, step: int) -> None:

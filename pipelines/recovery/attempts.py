@@ -25,7 +25,7 @@ from pipelines.config.schema import ConfigError, JobConfig
 from pipelines.dag import build_dag, configure_data_context, iter_steps
 from pipelines.evaluation.plan import EvalPlan
 from pipelines.recovery.checkpoint import CRITIC_DIR, LEDGER, Checkpoint, CheckpointDir, StepCheckpoints
-from pipelines.recovery.preemption import Preempted, Preemption
+from pipelines.recovery.preemption import Preempted, Preemption, interrupt_main_thread
 from pipelines.recovery.resume import AttemptFailed, is_disk_full_failure, is_process_death
 from pipelines.recovery.run_lease import LeaseHeld, RunLease
 from pipelines.recovery.step_log import StepLog, write_dropped
@@ -114,15 +114,15 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
     first = run.start
     store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
     store = create_policy_store(store_name, retain=tuple(run.evaluation.versions(first)))
-    evaluator = run.evaluation.start(store_name, first, progress.echo)
-    workers, placement = start_trainer_group(cfg, run.model_path, store_name)
+    evaluator = run.evaluation.start(store, first, progress.echo)
+    workers, placement = start_trainer_group(cfg, run.model_path, store)
     critics, value_store, watch = None, None, None
     replicas = replica_placement(cfg)  # the generate actors' placement groups, released below
     try:
         if cfg.critic is not None:  # its own store; version -1 until rank 0 publishes the initialised critic
             value_store_name = f"streamrl-critic-{uuid.uuid4().hex[:8]}"
             value_store = create_policy_store(value_store_name, initial_version=-1)
-            critics, _ = start_critic_group(cfg, critic_model_path(cfg, run.model_path), value_store_name)
+            critics, _ = start_critic_group(cfg, critic_model_path(cfg, run.model_path), value_store)
         tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
         if len(ray.nodes()) > 1:  # on a cluster: say where the ranks went (a restart may move them)
             progress.echo(f"streamrl: trainer group placed: {placement_line(placement)}")
@@ -146,10 +146,11 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
             max_nan_skips=cfg.train.max_nan_skips, stop=stop,
         )
         configure_data_context(cfg, replicas)  # Ray Data's globals, before the DAG is made
-        ds = build_dag(frames, stages(cfg, run.model_path, store_name, workers, stage_options(cfg), first_step=first,
+        ds = build_dag(frames, stages(cfg, run.model_path, store, workers, stage_options(cfg), first_step=first,
                                       checkpoint_options=options, critics=critics, replicas=replicas))
         failure = None
-        watch = NodeWatch(cfg, placement, progress.echo).start()  # ends the attempt if a rank's node is lost
+        # A lost node that held a rank ends the attempt: the watch interrupts the main thread's wait on the DAG.
+        watch = NodeWatch(cfg, placement, progress.echo, on_lost=interrupt_main_thread).start()
         try:
             for row in iter_steps(ds):
                 if lease is not None:

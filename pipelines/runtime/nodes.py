@@ -32,7 +32,6 @@ from typing import Callable
 import ray
 
 from pipelines.config.schema import JobConfig
-from pipelines.recovery.preemption import interrupt_main_thread
 from pipelines.runtime.resources import live_nodes, plan_problems
 from pipelines.recovery.resume import AttemptFailed
 
@@ -91,15 +90,19 @@ def confirm_lost_nodes(known: set[str], echo: Callable[[str], None], confirm_s: 
 
 class NodeWatch:
     """While an attempt's DAG runs: when Ray marks a node dead that held a trainer rank (from the
-    group's `placement`), or without which the job no longer fits, set `lost` (why) and interrupt the
-    main thread (KeyboardInterrupt there; the caller turns it into a process death when `lost` is set).
+    group's `placement`), or without which the job no longer fits, set `lost` (why) and call `on_lost`,
+    the caller's way to end its wait (pipelines/recovery/attempts.py passes interrupt_main_thread: the main
+    thread blocks in Ray Data's iterator, an untimed wait only a signal ends; it turns the KeyboardInterrupt
+    into a process death when `lost` is set).
     A lost node that held only generate or reward actors, with room left for them, is only reported,
     unless those actors are still not restarted `rollout.replace_wait_s` later (then the same interrupt). Nodes
     that join during the attempt (an autoscaled pool grows onto them) are watched from then on. Does
     nothing on a one-node cluster: the driver's node is lost only with the driver."""
 
-    def __init__(self, cfg: JobConfig, placement: list[dict], echo: Callable[[str], None], poll_s: float = 2.0):
+    def __init__(self, cfg: JobConfig, placement: list[dict], echo: Callable[[str], None], on_lost: Callable[[], None],
+                 poll_s: float = 2.0):
         self.cfg, self.echo, self.poll_s, self.replace_s = cfg, echo, poll_s, cfg.rollout.replace_wait_s
+        self.on_lost = on_lost
         self.ranks = {rank["rank"]: rank["node_id"] for rank in placement}
         self.known = alive_node_ids()
         self.lost: str | None = None
@@ -126,7 +129,7 @@ class NodeWatch:
                 with self._lock:
                     if not self._done.is_set():
                         self.lost = why
-                        interrupt_main_thread()  # the main thread waits in the DAG's iterator
+                        self.on_lost()
                 return
 
     def _check(self) -> str | None:

@@ -32,11 +32,11 @@ from pipelines.config.schema import JobConfig, ModelConfig
 
 class TrainerGroup(list):
     """The rank actors, in rank order, plus the placement group holding them (or None); a critic
-    group also carries its model folder and the name of its store."""
+    group also carries its model folder and its store actor (the handle)."""
 
     placement_group = None
     model_path: str | None = None
-    store_name: str | None = None
+    store = None
 
 
 def _free_port() -> int:
@@ -172,19 +172,19 @@ def _rendezvous_on(node_id: str) -> tuple[str, int]:
     return address, ray.get(pick.remote())
 
 
-def start_trainer_group(cfg: JobConfig, model_path: str, policy_store: str) -> tuple[TrainerGroup, list[dict]]:
+def start_trainer_group(cfg: JobConfig, model_path: str, policy_store) -> tuple[TrainerGroup, list[dict]]:
     """Create the ranks, wait until every one has initialised DeepSpeed; return handles and placement.
 
     Stop it with `stop_trainer_group`, which also frees the placement group."""
     return _start_group(cfg.train, "train", TrainWorker, (trainer_settings(cfg, model_path), policy_store))
 
 
-def start_critic_group(cfg: JobConfig, model_path: str, value_store: str) -> tuple[TrainerGroup, list[dict]]:
+def start_critic_group(cfg: JobConfig, model_path: str, value_store) -> tuple[TrainerGroup, list[dict]]:
     """The critic's ranks (operators.workers.value_worker.ValueWorker), publishing to the store `value_store`
     (create it with initial_version=-1: rank 0 publishes the freshly initialised critic as version 0)."""
     workers, placement = _start_group(cfg.critic, "critic", ValueWorker,
                                       (critic_settings(cfg, model_path), value_store, cfg.critic.value_clip))
-    workers.model_path, workers.store_name = model_path, value_store
+    workers.model_path, workers.store = model_path, value_store
     return workers, placement
 
 

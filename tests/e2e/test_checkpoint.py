@@ -123,7 +123,7 @@ def test_nonfinite_loss_is_skipped_or_stops_and_nan_weights_are_never_published(
     # 1e308 is a finite reward-scale number in float64 and inf once cast to float32 for the loss.
     poisoned = {**samples, "advantages": [1e308] + samples["advantages"][1:]}
     store = create_policy_store("nan-test-store")
-    worker = worker_factory(store="nan-test-store")
+    worker = worker_factory(store=store)
     before = worker.state_dict()
     result = worker.train_step(poisoned, tokens, count)
     assert result["nonfinite_skipped"] == 1 and worker.version == 1

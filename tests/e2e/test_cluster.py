@@ -167,7 +167,7 @@ def test_trainer_group_that_cannot_be_placed_fails_and_frees_its_reservation(ray
                              "train.placement_timeout_s=2"])
     free_before = ray_cluster.available_resources()["CPU"]
     with pytest.raises(TimeoutError, match="train.placement: the cluster found no room for 2 trainer rank"):
-        start_trainer_group(cfg, "never-loaded", "no-store")
+        start_trainer_group(cfg, "never-loaded", None)
     assert [group["state"] for group in ray_cluster.util.placement_group_table().values()] in ([], ["REMOVED"])
     wait_until_free = time.monotonic() + 10
     while ray_cluster.available_resources()["CPU"] < free_before and time.monotonic() < wait_until_free:

@@ -86,7 +86,7 @@ def test_admission_gate_pulls_newer_weights(ray_cluster, tiny_model_path):
 
     store = create_policy_store("test-gate-store")
     try:
-        generate = Generate(tiny_model_path, n=2, max_new_tokens=3, policy_store="test-gate-store",
+        generate = Generate(tiny_model_path, n=2, max_new_tokens=3, policy_store=store,
                             max_staleness=1, admission_timeout_s=2.0)
         row = pd.DataFrame({"prompt": ["2+2="], "group_uid": ["g"], "train_step": [2]})
         # Step 2 at staleness 1 needs version >= 1; the store only has 0: the gate must hold.

@@ -196,11 +196,11 @@ def run_sim(ray, tmp_path: Path, max_staleness: int, cost: CostModel, **rollout)
     schedule = schedule_groups(prompts, cfg)
     store_name = f"sim-test-store-{tag}"
     store = create_policy_store(store_name)
-    workers = sim_trainer.start_sim_trainers(str(path), store_name)
+    workers = sim_trainer.start_sim_trainers(str(path), store)
     rows, times = [], []
     try:
         start = time.perf_counter()
-        for row in iter_steps(build_rl_dataset(schedule, cfg, str(path), store_name, workers)):
+        for row in iter_steps(build_rl_dataset(schedule, cfg, str(path), store, workers)):
             times.append(time.perf_counter() - start)
             row["rollouts"] = pd.read_parquet(io.BytesIO(row.pop("rollouts_parquet")))
             rows.append(row)

@@ -23,7 +23,7 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
     import ray
 
     store = create_policy_store(name)
-    workers, placement = start_trainer_group(cfg, model_path, name)
+    workers, placement = start_trainer_group(cfg, model_path, store)
     try:
         shards = shard(samples, len(workers))
         tokens, sequences = step_normalisers(samples)
@@ -281,7 +281,7 @@ def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_c
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
                              "train.num_cpus=0.4"])
     store = create_policy_store("trainer-test-whiten")
-    workers, _ = start_trainer_group(cfg, tiny_model_path, "trainer-test-whiten")
+    workers, _ = start_trainer_group(cfg, tiny_model_path, store)
     try:
         rows = step_samples(tiny_model_path)
         for index, row in enumerate(rows):

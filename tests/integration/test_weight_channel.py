@@ -108,7 +108,7 @@ def test_a_publish_sends_buckets_in_the_training_dtype(ray_cluster, tiny_model_p
     store = create_policy_store(name)
     cfg = load_config(None, [f"train.dtype={dtype}", f"train.zero_stage={zero_stage}",
                              "train.zero3_persistence_threshold=0", "train.weight_bucket_mb=0.05"])
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), name)
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), store)
     try:
         worker.version = 1
         worker._publish()
@@ -135,8 +135,7 @@ def test_nan_weights_are_never_published(ray_cluster, tiny_model_path):
     from pipelines.runtime.trainer_group import _free_port, trainer_settings
 
     store = create_policy_store("weights-test-nan")
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(load_config(None, []), tiny_model_path),
-                         "weights-test-nan")
+    worker = TrainWorker(0, 1, _free_port(), trainer_settings(load_config(None, []), tiny_model_path), store)
     try:
         with torch.no_grad():
             next(worker.engine.module.parameters())[0, 0] = float("nan")
