@@ -1,4 +1,4 @@
-"""The GRPO job as a list of stages: what each stage of the Ray Data DAG runs, and how.
+"""The RL job as a list of stages: what each stage of the Ray Data DAG runs, and how.
 
     schedule (prompt groups, each tagged with the train step it will feed)
       -> Generate   actor pool; admission-gated on the policy store (>= step - max_staleness)
