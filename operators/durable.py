@@ -8,6 +8,7 @@ Used by the Train operator (each step's rollouts) and by pipelines/ (checkpoints
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -86,3 +87,12 @@ def write_atomic(path: Path | str, data: bytes, what: str | None = None) -> None
 
 def write_json_atomic(path: Path | str, payload: dict) -> None:
     write_atomic(path, json.dumps(payload, indent=1, sort_keys=True, default=str).encode())
+
+
+def sha256_of(file: Path) -> str:
+    """The file's SHA-256, read in 1 MiB chunks (checkpoint manifests, converted model folders)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

