@@ -54,7 +54,7 @@ def build(folder: Path, shape: dict) -> Path:
 
 
 def free_port() -> int:
-    # pipelines.runtime.trainer_group._free_port does the same, but that module imports Ray, which the GPU machine lacks.
+    # pipelines.runtime.trainer_group.free_port does the same, but that module imports Ray, which the GPU machine lacks.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

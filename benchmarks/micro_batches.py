@@ -33,7 +33,8 @@ def main() -> None:
 
     from operators.workers.train_worker import TrainWorker
     from pipelines.config.load import load_config
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
     from throughput import build_bench_model
 
     path, params = build_bench_model("medium")
@@ -51,7 +52,7 @@ def main() -> None:
     for budget in [int(b) for b in args.budgets.split(",")]:
         cfg = load_config(None, [f"model.path={path}", f"train.micro_batch_tokens={budget}",
                                  "rollout.max_new_tokens=128", f"train.torch_threads={args.threads}"])
-        worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, path), None)
+        worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, path), None)
         worker.train_step(samples, int(lengths.sum()), 64)
         times = []
         for _ in range(3):

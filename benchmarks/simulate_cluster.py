@@ -538,14 +538,14 @@ def _measure_train(path: Path) -> dict:
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.session import init_ray
     from pipelines.runtime.policy_store import create_policy_store
-    from pipelines.runtime.trainer_group import _free_port
+    from operators.workers.deepspeed_setup import free_port
 
     init_ray(num_cpus=2)
     try:
         store_name = f"calibrate-{uuid.uuid4().hex[:6]}"
         store = create_policy_store(store_name)
         settings = TrainerSettings(model_path=str(path), max_new_tokens=128)
-        worker = ray.remote(TrainWorker).options(num_cpus=1).remote(0, 1, _free_port(), settings, store)
+        worker = ray.remote(TrainWorker).options(num_cpus=1).remote(0, 1, free_port(), settings, store)
         ray.get(worker.ready.remote())
         rng = np.random.default_rng(0)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]

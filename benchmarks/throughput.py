@@ -105,7 +105,8 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     from pipelines.data.datasets import load_prompts
     from pipelines.dag import schedule_groups
     from pipelines.stages import engine_options
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     torch.set_num_threads(cfg.train.torch_threads)
     prompts, _ = load_prompts(cfg.data)
@@ -117,7 +118,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     )
     reward = Reward([(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error)
     advantage = Advantage(cfg.algorithm.advantage)
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, model_path), None)
+    worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, model_path), None)
     timelines = []
     for step in range(cfg.train.steps):
         rows, intervals = [], []

@@ -73,12 +73,13 @@ def child(model: str, count: int, budget: int, threads: int) -> dict:
 
     from operators.workers.train_worker import TrainWorker
     from pipelines.config.load import load_config
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     samples = make_samples(count)
     cfg = load_config(None, [f"train.micro_batch_tokens={budget}", f"train.torch_threads={threads}",
                              "train.lr=1e-5", "rollout.max_new_tokens=2032"])
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, model), None)
+    worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, model), None)
     # A first small step allocates what every step keeps (gradients, Adam's moments), so the measured
     # step's growth is what depends on the step: activations, logits, the graph.
     warm = make_samples(4, seed=1, capped=False)

@@ -117,7 +117,7 @@ def main() -> None:
     from generate_throughput import build_model
     from operators.engines.vllm import VLLMEngine
     from pipelines.runtime.policy_store import create_policy_store
-    from pipelines.runtime.trainer_group import _free_port
+    from operators.workers.deepspeed_setup import free_port
 
     ray.init(num_cpus=2, object_store_memory=1536 * 2**20, include_dashboard=False, log_to_driver=False)
     records = []
@@ -126,8 +126,8 @@ def main() -> None:
         store_name = f"weights-bench-{size}"
         store = create_policy_store(store_name)
         ray.get(store.get_version.remote())
-        workers = {"fp32": trainer(path, "fp32", store, _free_port()),
-                   "bf16": trainer(path, "bf16", store, _free_port())}
+        workers = {"fp32": trainer(path, "fp32", store, free_port()),
+                   "bf16": trainer(path, "bf16", store, free_port())}
         engine = VLLMEngine(str(path), gpu_memory_utilization=0.2, max_model_len=512, dtype="float32")
         times = {channel: [] for channel in CHANNELS}
         for repeat in range(args.repeats + 1):  # the first round warms every path up and is not kept

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,25 +24,19 @@ from operators.algorithms.estimators import ADVANTAGE_ESTIMATORS, STEP_WHITENED,
 from operators.algorithms.step_batch import explode, step_normalisers
 from operators.generate import Generate
 from operators.reward import Reward
+from operators.workers.deepspeed_setup import free_port
 from operators.workers.train_worker import TrainWorker
 from pipelines.config.load import load_config
 from pipelines.config.schema import JobConfig
 from pipelines.data.datasets import load_prompts
 from pipelines.data.models import resolve_model_path
-from pipelines.runtime.trainer_group import trainer_settings
+from pipelines.runtime.trainer_settings import trainer_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.yaml"
 # What one process needs in place of the job's settings: the HF engine (call-synchronous), no MLflow, and
 # rollout.groups_per_call 1 (unused here: a step is one generate call; 1 divides any train.groups_per_step).
 ONE_PROCESS = ["rollout.engine=hf", "tracking.enabled=false", "rollout.groups_per_call=1"]
 EDGE = 5  # the summary compares the success rate of the first and the last EDGE steps
-
-
-def free_port() -> int:
-    """A free local port: the rendezvous of torch.distributed's world of one."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def unsupported(cfg: JobConfig) -> list[str]:

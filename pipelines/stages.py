@@ -40,7 +40,7 @@ from pipelines.config.schema import JobConfig, ModelConfig
 from pipelines.data.models import resolve_model_path
 from pipelines.runtime.placement import ReplicaPlacement, engine_bundles, vllm_executor_backend
 from pipelines.runtime.resources import DAG_HELPER_CPUS
-from pipelines.runtime.trainer_group import advantage_options, train_options
+from pipelines.runtime.trainer_settings import advantage_options, train_options
 
 # Calls the last stage runs at once: one trains, the others take in groups meanwhile.
 TRAIN_CALLS = 4

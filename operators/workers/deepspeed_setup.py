@@ -7,6 +7,8 @@ Plumbing only: no algorithm is decided here. operators/workers/train_worker.py c
 
 from __future__ import annotations
 
+import socket
+
 import inspect
 import os
 
@@ -109,3 +111,10 @@ def libc_malloc_trim():
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a rank group's rendezvous (MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

@@ -32,7 +32,8 @@ from pipelines.recovery.step_log import StepLog, write_dropped
 from pipelines.runtime.nodes import NodeWatch, alive_node_ids, confirm_lost_nodes, placement_line, replan
 from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.resources import stage_options
-from pipelines.runtime.trainer_group import critic_model_path, start_critic_group, start_trainer_group, stop_trainer_group
+from pipelines.runtime.trainer_group import start_critic_group, start_trainer_group, stop_trainer_group
+from pipelines.runtime.trainer_settings import critic_model_path
 from pipelines.stages import replica_placement, stages
 from pipelines.tracking.progress import Progress
 

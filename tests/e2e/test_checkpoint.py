@@ -76,13 +76,14 @@ def test_commit_is_atomic_and_damage_is_detected(tmp_path):
 @pytest.fixture(scope="module")
 def worker_factory(tiny_model_path):
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     def make(store=None, **extra):
         sets = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.lr=0.01",
                 *[f"{k}={v}" for k, v in extra.items()]]
         cfg = load_config(None, sets)
-        return TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), store)
+        return TrainWorker(0, 1, free_port(), trainer_settings(cfg, tiny_model_path), store)
 
     return make
 

@@ -125,12 +125,13 @@ def critic_samples(model_path: str) -> dict:
 
 def make_critic(model_path: str, **extra):
     from operators.workers.value_worker import ValueWorker
-    from pipelines.runtime.trainer_group import _free_port, critic_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import critic_settings
 
     sets = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "algorithm.advantage=gae",
             "critic.lr=0.01", *[f"{k}={v}" for k, v in extra.items()]]
     cfg = load_config(None, sets)
-    return ValueWorker(0, 1, _free_port(), critic_settings(cfg, model_path), None, cfg.critic.value_clip)
+    return ValueWorker(0, 1, free_port(), critic_settings(cfg, model_path), None, cfg.critic.value_clip)
 
 
 def test_critic_learns_its_targets_and_the_value_operator_reads_the_same_values(tiny_model_path, tmp_path):

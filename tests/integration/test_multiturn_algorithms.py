@@ -26,12 +26,13 @@ BASE = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"]
 def make_worker(model_path: str, overrides: list[str], critic: bool = False):
     from operators.workers.train_worker import TrainWorker
     from operators.workers.value_worker import ValueWorker
-    from pipelines.runtime.trainer_group import _free_port, critic_settings, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import critic_settings, trainer_settings
 
     cfg = load_config(None, [*BASE, *(["critic.lr=0.01"] if critic else []), *overrides])
     if critic:
-        return ValueWorker(0, 1, _free_port(), critic_settings(cfg, model_path), None, cfg.critic.value_clip)
-    return TrainWorker(0, 1, _free_port(), trainer_settings(cfg, model_path), None)
+        return ValueWorker(0, 1, free_port(), critic_settings(cfg, model_path), None, cfg.critic.value_clip)
+    return TrainWorker(0, 1, free_port(), trainer_settings(cfg, model_path), None)
 
 
 def critic_episode_samples(model_path: str) -> dict:
@@ -186,7 +187,7 @@ def _episode_row(masks, rewards, lengths=None):
 def test_overlong_shaping_counts_the_policys_tokens_against_the_episode_budget():
     """DAPO's soft punishment on an episode: only its policy tokens count, against the policy's budget for
     the episode (3 turns x 8 tokens, max 32 episode tokens -> 24), and it never goes below -penalty."""
-    from pipelines.runtime.trainer_group import advantage_options
+    from pipelines.runtime.trainer_settings import advantage_options
 
     cfg = load_config("configs/tiny_tools.yaml", ["algorithm.overlong_buffer=4"])
     options = advantage_options(cfg)

@@ -80,7 +80,8 @@ def test_micro_batches_give_the_same_step(tiny_model_path):
     loss, gradient norm and updated weights equal the one-batch step, for a token-normalised
     and a sequence-averaged aggregation. Runs in-process (no Ray): one rank, gloo world of 1."""
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     samples = explode(step_samples(tiny_model_path))
     tokens = sum(len(r) for r in samples["response_token_ids"])
@@ -89,7 +90,7 @@ def test_micro_batches_give_the_same_step(tiny_model_path):
         for budget in (0, 12):
             cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
                                      f"algorithm.loss_aggregation={aggregation}", f"train.micro_batch_tokens={budget}"])
-            worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+            worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, tiny_model_path), None)
             result = worker.train_step(samples, tokens, len(samples["advantages"]))
             outcomes.append((result, worker.state_dict()))
         (whole, weights_whole), (split, weights_split) = outcomes
@@ -197,7 +198,8 @@ def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
     from operators.algorithms.correction import merge_mismatch
     from operators.algorithms.step_batch import step_normalisers
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     samples = explode(step_samples(tiny_model_path))
     if overrides == "multi-turn":
@@ -208,7 +210,7 @@ def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
     samples["ref_logprobs"] = [[lp - 0.3 for lp in lps] for lps in samples["behavior_logprobs"]]
     tokens, sequences = step_normalisers(samples)
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"] + overrides)
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+    worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, tiny_model_path), None)
     count = len(samples["advantages"])
     partitions = [worker.mini_batches(count, epoch) for epoch in range(cfg.train.ppo_epochs)]
     result = worker.train_step(samples, tokens, sequences)
@@ -232,12 +234,13 @@ def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
 
 def test_kl_without_reference_logprobs_is_refused(tiny_model_path):
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     samples = explode(step_samples(tiny_model_path))
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
                              "algorithm.kl_coef=0.1", "reference={}"])  # configured, but no stage added them
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+    worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, tiny_model_path), None)
     with pytest.raises(ValueError, match="algorithm.kl_coef is 0.1 but samples carry no ref_logprobs"):
         worker.train_step(samples, 10, len(samples["advantages"]))
     assert worker.version == 0
@@ -246,7 +249,8 @@ def test_kl_without_reference_logprobs_is_refused(tiny_model_path):
 def test_per_token_advantages_equal_broadcast_scalars(tiny_model_path):
     """An advantage given per response token (GAE's shape) trains exactly like the same value given once."""
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     scalar = explode(step_samples(tiny_model_path))
     per_token = dict(scalar, advantages=[[a] * len(r) for a, r in zip(scalar["advantages"], scalar["response_token_ids"])])
@@ -254,7 +258,7 @@ def test_per_token_advantages_equal_broadcast_scalars(tiny_model_path):
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"])
     outcomes = []
     for samples in (scalar, per_token):
-        worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), None)
+        worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, tiny_model_path), None)
         outcomes.append((worker.train_step(samples, tokens, len(samples["advantages"])), worker.state_dict()))
     (a, weights_a), (b, weights_b) = outcomes
     assert a["policy_loss"] == b["policy_loss"] and a["grad_norm"] == b["grad_norm"]

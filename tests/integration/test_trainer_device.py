@@ -77,10 +77,11 @@ def test_split_to_count_pairs_up_passes():
 
 def _worker(path, *sets):
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     cfg = load_config(None, BASE + list(sets))
-    return TrainWorker(0, 1, _free_port(), trainer_settings(cfg, path), None)
+    return TrainWorker(0, 1, free_port(), trainer_settings(cfg, path), None)
 
 
 def _step(path, samples, *sets):

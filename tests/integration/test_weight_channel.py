@@ -102,13 +102,14 @@ def test_a_publish_sends_buckets_in_the_training_dtype(ray_cluster, tiny_model_p
     so the walk really gathers)."""
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.policy_store import create_policy_store
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     name = f"weights-test-{dtype}-{zero_stage}"
     store = create_policy_store(name)
     cfg = load_config(None, [f"train.dtype={dtype}", f"train.zero_stage={zero_stage}",
                              "train.zero3_persistence_threshold=0", "train.weight_bucket_mb=0.05"])
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(cfg, tiny_model_path), store)
+    worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, tiny_model_path), store)
     try:
         worker.version = 1
         worker._publish()
@@ -132,10 +133,11 @@ def test_nan_weights_are_never_published(ray_cluster, tiny_model_path):
     from operators.workers.engine_steps import NonFiniteError
     from operators.workers.train_worker import TrainWorker
     from pipelines.runtime.policy_store import create_policy_store
-    from pipelines.runtime.trainer_group import _free_port, trainer_settings
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.runtime.trainer_settings import trainer_settings
 
     store = create_policy_store("weights-test-nan")
-    worker = TrainWorker(0, 1, _free_port(), trainer_settings(load_config(None, []), tiny_model_path), store)
+    worker = TrainWorker(0, 1, free_port(), trainer_settings(load_config(None, []), tiny_model_path), store)
     try:
         with torch.no_grad():
             next(worker.engine.module.parameters())[0, 0] = float("nan")

@@ -74,7 +74,7 @@ def test_cli_refuses_with_exit_2(tmp_path):
 
 def test_trainer_and_operators_get_the_algorithm():
     from operators.algorithms.correction import CorrectionSettings
-    from pipelines.runtime.trainer_group import (
+    from pipelines.runtime.trainer_settings import (
         advantage_options,
         train_options,
         trainer_settings,

@@ -163,7 +163,7 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
     import dataclasses
 
     from operators.workers.settings import TrainerSettings
-    from pipelines.runtime.trainer_group import CRITIC_SETTINGS, POLICY_SETTINGS, critic_settings, trainer_settings
+    from pipelines.runtime.trainer_settings import CRITIC_SETTINGS, POLICY_SETTINGS, critic_settings, trainer_settings
 
     cfg = load_config(None, ["critic.lr=0.01", "algorithm.advantage=gae"])
     built = trainer_settings(cfg, "model")

@@ -23,27 +23,27 @@ class Recorder:
 def test_rows_wait_for_their_checkpoint_and_a_restart_drops_the_rest():
     tracker = Recorder()
     log = StepLog(tracker, committed=0)
-    for step in range(3):  # steps 0..2 trained; the checkpoint after step 1 covers 2 steps
-        log.hold({"step": step}, step + 1)
+    for step in (1, 2, 3):  # steps count from 1 (the Train operator's rows); the checkpoint after step 2 covers 2
+        log.hold({"step": step}, step)
     assert tracker.steps == []
-    assert log.commit(2) == 2 and tracker.steps == [0, 1]
+    assert log.commit(2) == 2 and tracker.steps == [1, 2]
     evals = EvalRows(log)
     evals.log_step({"step": 2})  # version 2: covered by the checkpoint of 2 steps already
     evals.log_artifact("/x/eval_2.parquet", "eval")
     evals.log_step({"step": 3})  # version 3: not yet
     evals.log_artifact("/x/eval_3.parquet", "eval")
-    assert tracker.steps == [0, 1, 2] and tracker.artifacts == [("/x/eval_2.parquet", "eval")]
-    log.hold({"step": 3}, 4)
-    # A restart from the checkpoint of 2 steps: step 2's row and version 3 are trained and evaluated again.
+    assert tracker.steps == [1, 2, 2] and tracker.artifacts == [("/x/eval_2.parquet", "eval")]
+    log.hold({"step": 4}, 4)
+    # A restart from the checkpoint of 2 steps: steps 3 and 4 and version 3 are trained and evaluated again.
     dropped = log.drop(2)
-    assert [row["step"] for row in dropped] == [2, 3, 3] and log.held == []
-    for step in (2, 3):
-        log.hold({"step": step}, step + 1)
+    assert [row["step"] for row in dropped] == [3, 3, 4] and log.held == []
+    for step in (3, 4):
+        log.hold({"step": step}, step)
     log.commit(4)
-    assert tracker.steps == [0, 1, 2, 2, 3]  # the first 2 is version 2's evaluation, the second step 2's row
+    assert tracker.steps == [1, 2, 2, 3, 4]  # step 2's row, then version 2's evaluation (after step 2)
     # A checkpoint the driver never heard of (a rank died after writing it): a restart from it logs what it covers.
-    log.hold({"step": 4}, 5)
-    assert log.drop(5) == [] and tracker.steps[-1] == 4
+    log.hold({"step": 5}, 5)
+    assert log.drop(5) == [] and tracker.steps[-1] == 5
 
 
 def test_dropped_rows_are_kept_as_an_artifact(tmp_path):
@@ -103,30 +103,30 @@ def test_a_restart_logs_the_rows_of_every_checkpoint_the_driver_had_not_heard_of
     writer = StepCheckpoints(str(run_dir.root), every=5, keep=1, attempt=1)  # keep 1: step 5's is pruned
     tracker = Recorder()
     log = StepLog(tracker, committed=0, attempt=1)
-    for step in range(4):  # the rows the driver got: steps 0..3
-        log.hold({"step": step}, step + 1)
-    _write_checkpoint(run_dir, writer, 5, [{"step": s} for s in range(5)])
-    _write_checkpoint(run_dir, writer, 10, [{"step": s} for s in range(5, 10)])
+    for step in range(1, 5):  # the rows the driver got: steps 1..4
+        log.hold({"step": step}, step)
+    _write_checkpoint(run_dir, writer, 5, [{"step": s} for s in range(1, 6)])
+    _write_checkpoint(run_dir, writer, 10, [{"step": s} for s in range(6, 11)])
     run_dir.prune(1)
     assert [step for step, _ in run_dir.steps()] == [10]
     checkpoint = run_dir.latest_valid()
     assert [row["attempt"] for row in checkpoint.step_rows()] == [1] * 10
     # The attempt ends (a rank died at step 11): drop, then backfill from the newest checkpoint.
     assert log.drop(checkpoint.step) == []
-    assert log.backfill(checkpoint, attempt=1) == [4, 5, 6, 7, 8, 9]
-    assert tracker.steps == list(range(10))
+    assert log.backfill(checkpoint, attempt=1) == [5, 6, 7, 8, 9, 10]
+    assert tracker.steps == list(range(1, 11))
     # Attempt 2 starts from that checkpoint with its rows, trains 10..14, and the driver dies (a resume).
     writer = StepCheckpoints(str(run_dir.root), every=5, attempt=2, prior_rows=checkpoint.step_rows())
-    _write_checkpoint(run_dir, writer, 15, [{"step": s} for s in range(10, 15)])
+    _write_checkpoint(run_dir, writer, 15, [{"step": s} for s in range(11, 16)])
     latest = run_dir.latest_valid()
-    assert [row["step"] for row in latest.step_rows()] == list(range(15))
+    assert [row["step"] for row in latest.step_rows()] == list(range(1, 16))
     assert [row["attempt"] for row in latest.step_rows()] == [1] * 10 + [2] * 5
     resumed = Recorder()
     log = StepLog(resumed, committed=15, attempt=3)
-    assert log.backfill(latest, attempt=2, logged_before=set(range(12))) == [12, 13, 14]
+    assert log.backfill(latest, attempt=2, logged_before=set(range(1, 13))) == [13, 14, 15]
     # A restart later in the resumed process: nothing the first process logged is logged again.
     assert log.backfill(latest, attempt=3) == []
-    assert resumed.steps == [12, 13, 14]
+    assert resumed.steps == [13, 14, 15]
 
 
 def test_steps_trained_again_after_a_damaged_checkpoint_are_logged_once(tmp_path):
@@ -135,13 +135,13 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_logged_once(tmp_path
     values); this attempt's rows go to the artifact retrained/attempt_<n>.jsonl, and the job says so."""
     tracker, lines = Recorder(), []
     log = StepLog(tracker, committed=4, attempt=2, retrained_dir=tmp_path, echo=lines.append)
-    log.backfill(None, 1, logged_before=set(range(8)))  # what the run's spool and MLflow hold
-    for step in range(4, 10):
-        log.hold({"step": step, "policy_loss": 0.1 * step, "attempt": 2}, step + 1)
+    log.backfill(None, 1, logged_before=set(range(1, 9)))  # what the run's spool and MLflow hold
+    for step in range(5, 11):
+        log.hold({"step": step, "policy_loss": 0.1 * step, "attempt": 2}, step)
     log.commit(10)
-    assert tracker.steps == [8, 9]  # only the steps nobody logged
+    assert tracker.steps == [9, 10]  # only the steps nobody logged
     assert tracker.artifacts[-1] == (str(tmp_path / "attempt_2.jsonl"), "retrained")
-    assert [json.loads(line)["step"] for line in open(tmp_path / "attempt_2.jsonl")] == [4, 5, 6, 7]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "attempt_2.jsonl")] == [5, 6, 7, 8]
     assert lines == ["streamrl: step(s) 5, 6, 7, 8 were logged to MLflow by an earlier attempt (its newer checkpoint "
                      "was damaged, so they were trained again); MLflow keeps those values, this attempt's rows are "
                      "the artifact retrained/attempt_2.jsonl"]
