@@ -268,7 +268,7 @@ def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     for metric in ("reward_mean", "policy_loss", "staleness_max"):
         assert sorted(m.step for m in client.get_metric_history(run_id, metric)) == list(range(1, STEPS + 1)), metric
     attempts = {m.step: m.value for m in client.get_metric_history(run_id, "attempt")}
-    assert attempts == {s: 1.0 if s < restarted_from else 2.0 if s < step else 3.0 for s in range(STEPS)}, attempts
+    assert attempts == {s: 1.0 if s <= restarted_from else 2.0 if s <= step else 3.0 for s in range(1, STEPS + 1)}, attempts
     assert run.data.tags["attempts"] == "3"
 
 
@@ -296,9 +296,9 @@ def test_hanging_reward_and_nonfinite_loss_midjob(tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{out.resolve() / 'mlflow.db'}")
     client = mlflow.tracking.MlflowClient()
     skipped = {m.step: m.value for m in client.get_metric_history(run_id, "nonfinite_skipped")}
-    assert skipped == {step: float(step == exploded) for step in range(STEPS)}
+    assert skipped == {step: float(step == exploded + 1) for step in range(1, STEPS + 1)}  # MLflow counts steps from 1
     timeouts = {m.step: m.value for m in client.get_metric_history(run_id, "reward_timeouts")}
-    assert timeouts[hung] >= N and all(v == 0 for step, v in timeouts.items() if step != hung), timeouts
+    assert timeouts[hung + 1] >= N and all(v == 0 for step, v in timeouts.items() if step != hung + 1), timeouts
     weights = load_file(str(CheckpointDir.of_run(out, run_id).latest_valid().path / "model.safetensors"))
     assert all(np.isfinite(array).all() for array in weights.values())
 
@@ -336,5 +336,5 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_resume_finishes(ray_clust
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"from checkpoint {checkpoint.path} (step {stopped_at})" in resumed.stdout
     history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward_mean")
-    assert sorted(m.step for m in history) == list(range(STEPS))  # each step once: none trained twice
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # each step once: none trained twice
     assert_exactly_once(final_ledger(out, run_id), max_staleness=1)

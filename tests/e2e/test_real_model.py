@@ -52,7 +52,7 @@ def job(tmp_path_factory):
     from pipelines.tracking.lineage import find_rollouts
 
     rollouts = pd.concat([pd.read_parquet(find_rollouts(out, run_id, step))
-                          for step in range(STEPS)], ignore_index=True)
+                          for step in range(1, STEPS + 1)], ignore_index=True)
     return out, run_id, rollouts, done.stdout
 
 
