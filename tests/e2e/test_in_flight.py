@@ -108,6 +108,7 @@ def test_in_flight_logprobs_match_hf(loop, tiny_model_path):
     assert worst < LOGPROB_TOL, worst
 
 
+@pytest.mark.extended  # make test-extended (CI under 45 minutes); tests/integration/test_rollout_loop.py checks the cap's bookkeeping
 def test_cap_on_sequences_in_flight(untrained_model):
     """A small cap is never exceeded, and a group starts while earlier groups still decode (the untrained
     model's responses have long-tailed lengths)."""

@@ -42,7 +42,10 @@ def test_advantage_subtracts_the_kl_penalty_from_the_reward():
         Advantage("grpo", kl_reward_coef=0.5)(batch.drop(columns="ref_logprobs"))
 
 
+# make test-extended (CI stays under 45 minutes): the KL penalty's maths stays in CI (the tests above), and the
+# reference stage through tests/unit/test_ref_logprob.py.
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kl_to_the_reference_is_logged_and_bounded_by_its_coefficient(ray_cluster, tmp_path):
     def job(**algorithm) -> pd.DataFrame:
         sets = ["reference={}", "train.steps=16", "eval=null", "tracking.enabled=false", f"output_dir={tmp_path}",

@@ -37,7 +37,8 @@ def rollouts_of(run_id: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+# 0 and 2 in CI; 1 with make test-extended (CI stays under 45 minutes).
+@pytest.mark.parametrize("max_staleness", [0, pytest.param(1, marks=pytest.mark.extended), 2])
 def test_staleness_bound_and_exactly_once(ray_cluster, tmp_path, max_staleness):
     # tiny_grpo.yaml scores in the generate actors; one case runs the reward stage of its own
     cfg = short_job(tmp_path, max_staleness, **({"reward.placement": "stage"} if max_staleness == 2 else {}))
