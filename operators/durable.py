@@ -21,7 +21,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class DiskFullError(OSError):
     """Not enough space for a write. Its message says how much was needed, where, and what to do; a job
-    that meets one waits for space and restarts from its last checkpoint (pipelines/job.py)."""
+    that meets one waits for space and restarts from its last checkpoint (pipelines/recovery/attempts.py)."""
 
 
 def is_disk_full(err: BaseException) -> bool:

@@ -11,7 +11,7 @@ When a whole node goes (its machine, or every process of it, raylet included):
   restarted (no room left for them: an autoscaled pool that had grown onto the lost node), Ray
   Data would wait for them forever; after `rollout.replace_wait_s` the watch ends the attempt the same way, and
   the restart runs the pool at the size that fits. Nodes that join mid-attempt are watched too.
-- A restart (pipelines/job.py) first confirms which nodes are gone: Ray's GCS takes a while to
+- A restart (pipelines/recovery/attempts.py) first confirms which nodes are gone: Ray's GCS takes a while to
   mark a node dead (missed health checks, ~10-15 s with Ray's defaults) and until then it still
   schedules actors there, so a restart that started at once would put a trainer bundle on the dead
   node and die again. A node that does not answer (a TCP connect to its raylet: nothing is

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pipelines.config.schema import JobConfig, NodeGroup
 
-# The actor of build_rl_dataset's last stage (Advantage + the Train operator, pipelines/job.py).
+# The actor of build_rl_dataset's last stage (Advantage + the Train operator, pipelines/stages.py).
 DAG_HELPER_CPUS = 0.1
 
 
