@@ -77,15 +77,19 @@ class Stage:
 
 
 def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False,
-                   replica_group: bool = False) -> dict:
+                   replica_group: bool = False, plane: bool = False) -> dict:
     """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form).
     `replica_group`: the engine runs in a generate replica's placement group (replica_placement), whose GPU
-    bundles vLLM's Ray executor fills; otherwise a tensor-parallel engine uses the GPUs its actor holds."""
+    bundles vLLM's Ray executor fills; otherwise a tensor-parallel engine uses the GPUs its actor holds.
+    `plane`: the generate stage's engines, which receive policy versions on the weight plane when
+    rollout.weight_transfer resolves to gloo (an evaluator's engine loads the versions it is handed)."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
     if (engine or cfg.rollout.engine) == "vllm":
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
         if in_flight:
             options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
+        if in_flight and plane and cfg.weight_plane() == "gloo":  # the generate stage's engines receive on the plane
+            options.update(weight_transfer="gloo", weight_timeout_s=cfg.rollout.weight_timeout_s)
         backend = vllm_executor_backend(cfg.rollout.vllm.tensor_parallel_size,
                                         cfg.rollout.num_gpus if replica_group else 0)
         if backend is not None:
@@ -138,7 +142,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, seed=cfg.train.seed, policy_store=store,
         max_staleness=cfg.train.max_staleness,
-        engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None),
+        engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None, plane=True),
         in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
         partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
         faults=FaultPoints.from_environment(),  # armed only by a test or a chaos run (operators/faults.py)

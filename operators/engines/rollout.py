@@ -40,6 +40,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Mapping
 
 import numpy as np
@@ -148,11 +149,18 @@ class RolloutLoop(MultiTurnEpisodes):
         self.episodes_active = 0  # multi-turn episodes started and not ended
         self._swap_waiting = False  # without partial rollout: a swap waits for the episodes to end
         await self.engine.start()
+        if self.store is not None and getattr(self.engine, "weight_transfer", None):
+            await self.engine.join_weight_plane(self.store, f"{self.name}:{uuid.uuid4().hex[:8]}", self.faults)
 
     async def _shutdown(self) -> None:
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
             watcher.cancel()
+        if getattr(self.engine, "engine_id", None) and self.store is not None:
+            try:  # leave the plane first, so the trainer's sender stops sending here
+                await asyncio.wait_for(self.store.unregister_engine.remote(self.engine.engine_id), 10)
+            except Exception:  # the store is gone with its job: nothing to leave
+                pass
         await self.engine.shutdown()
 
     async def _acquire(self, count: int) -> None:
@@ -229,21 +237,29 @@ class RolloutLoop(MultiTurnEpisodes):
             if self.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine
                 self.faults.reach("rollout_paused", version=version, in_flight=self.in_flight)
             paused = time.perf_counter()
-            await self.engine.load_prepared(prepared)
+            applied = await self.engine.load_prepared(prepared)
             loaded = time.perf_counter()
+            if applied:  # the weight plane: the version the engine confirmed (a newer one may have arrived)
+                version = applied["version"]
             self._set_version(version)
             await self.engine.resume()
             end = time.perf_counter()
             self._pauses.append((start_wall, start_wall + end - start))
             del self._pauses[:-64]
             record = UpdateRecord(version, pull_s, prepare_s, paused - start, loaded - paused, end - start, in_flight,
-                                  episode_wait_s=start - waited)
+                                  episode_wait_s=start - waited, verified=bool(applied and applied["verified"]),
+                                  checked=int(applied["checked"]) if applied else 0)
             return record
 
     async def _watch(self) -> None:
         """Load every newer version the store publishes (skipping ones already replaced)."""
         loop = asyncio.get_running_loop()
+        plane = getattr(self.engine, "engine_id", None)
         try:
+            while plane:  # the weight plane: the bytes are already here, staged by the engine's receivers
+                version = await self.store.wait_delivered.remote(plane, self.version + 1)
+                record = await self._swap(version, int(version), pull_s=0.0, prepare_s=0.0)
+                self.store.record_load.remote(self.name, dict(vars(record)))  # no reply awaited
             while True:
                 await self.store.wait_for.remote(self.version + 1)
                 start = time.perf_counter()

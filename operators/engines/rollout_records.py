@@ -57,3 +57,5 @@ class UpdateRecord:
     # without partial rollout: how long the update waited for multi-turn episodes in flight to end (the
     # engine went on decoding them; new episodes waited), before its pause
     episode_wait_s: float = 0.0
+    verified: bool = False  # the weight plane: checksums compared with the trainer's on this update
+    checked: int = 0  # tensors whose checksums were compared (received and applied)

@@ -50,10 +50,23 @@ class AsyncVLLMEngine(VLLMBase):
         dtype: str = "float32",
         seed: int = 0,
         max_num_seqs: int | None = None,
+        weight_transfer: str | None = None,
+        weight_timeout_s: float = 300.0,
         **extra_llm_kwargs: Any,
     ):
+        """`weight_transfer`: 'gloo' to receive weights on the weight plane (operators/weight_plane.py);
+        None: `load_prepared` loads a file written by `prepare_weights` (evaluators, tests, plain loops)."""
         if max_num_seqs is not None:  # the engine's own batch limit: at least the loop's cap
             extra_llm_kwargs = {**extra_llm_kwargs, "max_num_seqs": int(max_num_seqs)}
+        if weight_transfer not in (None, "gloo"):
+            raise ValueError(f"weight_transfer {weight_transfer!r}: this engine receives on 'gloo' (or None)")
+        self.weight_transfer, self.weight_timeout_s = weight_transfer, float(weight_timeout_s)
+        if weight_transfer == "gloo":
+            from operators.engines.gloo_transfer import BACKEND
+
+            extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": BACKEND}}
+        self.engine_id: str | None = None
+        self._rendezvous = None
         self.options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization,
                                     max_model_len, enforce_eager, dtype, seed, extra_llm_kwargs)
         self.engine = None
@@ -105,6 +118,60 @@ class AsyncVLLMEngine(VLLMBase):
                 finished = completion.finished() or index in seen_eos
                 yield TokenDelta(index, tokens, sampled_logprobs(completion, tokens), finished)
 
+    async def join_weight_plane(self, store, engine_id: str, faults) -> None:
+        """Open this engine's rendezvous (a TCP store in this process, on a port the OS picks), start its
+        workers' receivers (vLLM's `init_weight_transfer_engine`) and register with the policy store, whose
+        trainer-side sender connects and sends the latest version (operators/weight_plane.py)."""
+        from datetime import timedelta
+
+        import ray
+        from torch.distributed import TCPStore
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        host = ray.util.get_node_ip_address()
+        self._rendezvous = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.weight_timeout_s))
+        workers = int(self.options.get("tensor_parallel_size") or 1)
+        self.engine_id = engine_id
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+            "host": host, "port": self._rendezvous.port, "world_size": 1 + workers, "engine_id": engine_id,
+            "timeout_s": self.weight_timeout_s, "fault_dir": faults.folder, "fault_points": list(faults.points),
+            "fault_hold_s": faults.hold_s}))
+        await store.register_engine.remote(engine_id, {"host": host, "port": self._rendezvous.port,
+                                                       "workers": workers})
+
+    async def apply_received(self, version: int) -> dict:
+        """Apply the received version `version` (or a newer one received since) through vLLM's protocol, and
+        confirm it: the engine's weight version and, on a verified update, the workers' checksum reports.
+        Raises WeightMismatch when the engine does not hold the trainer's weights."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from operators.weight_plane import WeightMismatch
+
+        await self.engine.start_weight_update()
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": int(version)}))
+        await self.engine.finish_weight_update()
+        reports = await self.engine.collective_rpc("weight_report")
+        applied = {int(r.get("version", -1)) for r in reports}
+        if len(applied) != 1 or min(applied) < version:
+            raise WeightMismatch(f"engine {self.engine_id}: asked to apply policy version {version}, its workers "
+                                 f"applied {sorted(applied)}")
+        applied_version = applied.pop()
+        await self.engine.update_weight_version(str(applied_version))
+        confirmed = await self.engine.get_weight_version()
+        if confirmed != str(applied_version):
+            raise WeightMismatch(f"engine {self.engine_id}: weight version {confirmed!r} after applying "
+                                 f"{applied_version}")
+        bad = [name for r in reports for name in r.get("mismatches", [])]
+        if bad:
+            raise WeightMismatch(
+                f"engine {self.engine_id} does not hold the trainer's policy version {applied_version}: the "
+                f"checksums of {len(bad)} tensors differ ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). "
+                "The attempt stops rather than sample from weights nobody trained; if it repeats, report it "
+                "with this message")
+        return {"version": applied_version, "verified": all(r.get("verified") for r in reports),
+                "checked": sum(r.get("transport_checked", 0) + r.get("applied_checked", 0) for r in reports)}
+
     def prepare_weights(self, state_dict) -> str:  # a WeightSet or a mapping of arrays (operators/weights.py)
         return self.weight_file.write(state_dict)
 
@@ -112,9 +179,13 @@ class AsyncVLLMEngine(VLLMBase):
         # keep the prefix cache: frozen requests hold blocks; new ones are salted per version
         await self.engine.pause_generation(mode=mode, clear_cache=False)
 
-    async def load_prepared(self, prepared: str) -> None:
+    async def load_prepared(self, prepared: str | int) -> dict | None:
+        """A file from `prepare_weights`, or a version received on the weight plane (`apply_received`)."""
+        if isinstance(prepared, int):
+            return await self.apply_received(prepared)
         await self.engine.collective_rpc("load_weights_file", args=(prepared,))
         self.weight_file.release(prepared)
+        return None
 
     async def resume(self) -> None:
         await self.engine.resume_generation()

@@ -3,9 +3,14 @@
 Loading weights through a named method needs neither a pickled function nor
 `VLLM_ALLOW_INSECURE_SERIALIZATION`: the engine process only sends the method name and a file
 path (msgpack), and each worker reads the tensors itself.
+
+Importing this module (vLLM does, in every worker, before the model loads) also registers the weight
+plane's gloo backend with vLLM's factory (operators/engines/gloo_transfer.py).
 """
 
 from __future__ import annotations
+
+from operators.engines import gloo_transfer  # noqa: F401  (registers the `streamrl_gloo` backend)
 
 
 class WeightLoader:
@@ -20,3 +25,8 @@ class WeightLoader:
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         return len(named)
+
+    def weight_report(self) -> dict:
+        """What the last weight-plane update checked (gloo_transfer.GlooWeightTransferEngine.report)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "report", {}) or {})

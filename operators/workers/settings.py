@@ -57,6 +57,9 @@ class TrainerSettings:
     logits_chunk_tokens: int = 2048  # log-probs of at most this many positions at once (0: all at once)
     gradient_checkpointing: bool = False
     weight_bucket_mb: float = 256  # the weight channel's bucket size (operators/weights.py)
+    weight_transfer: str = "object_store"  # "gloo": the weight plane (operators/weight_plane.py); rank 0 sends
+    weight_timeout_s: float = 300.0  # the weight plane's longest wait
+    verify_weights_every: int = 50  # the weight plane: checksums on the first update and every n-th
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
     zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job

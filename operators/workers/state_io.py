@@ -48,8 +48,13 @@ class StateIO:
         return pack_buckets(self._named_weights(), self.settings.weight_bucket_mb)
 
     def _publish(self) -> float:
-        """Send this version's weights through the weight channel (operators/weights.py) and publish its
-        manifest. Every rank under ZeRO-3 walks the modules (the gathers are collectives); rank 0 sends."""
+        """Send this version's weights to the generators and publish it; the seconds this rank was held.
+
+        Every rank under ZeRO-3 walks the modules (the gathers are collectives); rank 0 packs the buckets
+        in the training dtype and, on the weight plane (`weight_transfer: gloo`), hands them to its sender,
+        whose thread broadcasts them to the engines while the next step trains (operators/weight_plane.py).
+        Otherwise, and for a version an evaluator will read, the buckets go to the object store and the
+        store holds their manifest (operators/weights.py)."""
         start = time.perf_counter()
         if self.store is None:  # a ZeRO-3 rank other than 0: take part in the gathers, send nothing
             for _ in self._named_weights():
@@ -57,18 +62,37 @@ class StateIO:
             return time.perf_counter() - start
         import ray
 
-        from operators.weights import ObjectStoreTransport
+        from operators.weights import ObjectStoreTransport, non_finite
 
-        manifest, bad = ObjectStoreTransport().send(self.weight_buckets())
+        buckets = list(self.weight_buckets())
+        bad = [name for bucket in buckets for name in non_finite(bucket)]
         if bad:  # never hand NaN weights to the generators (or to a checkpoint)
             raise NonFiniteError(
                 f"{self.ROLE} version {self.version} has non-finite weights ({', '.join(bad[:3])}"
                 f"{' ...' if len(bad) > 3 else ''}); it was not published. Resume from the last checkpoint "
                 f"with a lower {self.SECTION}.lr or {self.SECTION}.grad_clip"
             )
-        ray.get(self.store.publish.remote(self.version, [ray.put(manifest)]))
-        self.last_publish = {"bytes": manifest.nbytes, "buckets": len(manifest.handles), "dtype": manifest.dtype}
+        nbytes = sum(bucket.nbytes for bucket in buckets)
+        self.last_publish = {"bytes": nbytes, "buckets": len(buckets), "dtype": buckets[0].dtype if buckets else ""}
+        box = [None]
+        if self.settings.weight_transfer == "gloo":
+            self.last_publish["waited_s"] = self._weight_sender().send(self.version, buckets)
+            if ray.get(self.store.wants_weights.remote(self.version)):  # an evaluator reads this one
+                box = [ray.put(ObjectStoreTransport().send(buckets, check_finite=False)[0])]
+        else:
+            box = [ray.put(ObjectStoreTransport().send(buckets, check_finite=False)[0])]
+        ray.get(self.store.publish.remote(self.version, box))
         return time.perf_counter() - start
+
+    def _weight_sender(self):
+        """Rank 0's weight-plane sender, made on the first publish."""
+        sender = getattr(self, "weight_sender", None)
+        if sender is None:
+            from operators.weight_plane import WeightSender
+
+            sender = self.weight_sender = WeightSender(self.store, self.settings.weight_timeout_s,
+                                                       self.settings.verify_weights_every, name=self.ROLE)
+        return sender
 
     # --- checkpoints ------------------------------------------------------------------------
 

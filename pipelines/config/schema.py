@@ -347,6 +347,26 @@ class RolloutConfig(_Section):
         "requests in flight finish with the old weights while new ones wait. 'idle': once nothing is in flight; "
         "until then admissible requests still start with the old weights."
     )
+    weight_transfer: Literal["auto", "gloo", "nccl", "ipc", "object_store"] = Field(
+        "auto", description="How each policy version reaches the generate engines (operators/weight_plane.py). "
+        "'gloo': vLLM's weight-transfer API over torch.distributed gloo: the trainer's rank 0 broadcasts the "
+        "weights, in the training dtype, to every engine at once; the engines receive while they decode and pause "
+        "only to apply; no files, no object store. 'object_store': each version through Ray's object store, "
+        "pulled by each engine (the HF engine's path, and the path before the weight plane). 'nccl' (engines on "
+        "GPUs of their own) and 'ipc' (an engine on a trainer's GPU) are vLLM's GPU backends, not wired yet. "
+        "'auto': gloo for vLLM's in-flight engine on CPUs, object_store otherwise (GPUs until nccl is wired; "
+        "the HF engine; in_flight: false)."
+    )
+    verify_weights_every: int = Field(
+        50, ge=0, description="The weight plane: compare the engines' weight checksums with the trainer's on the "
+        "first update and every this many updates after it (0: the first only). A mismatch ends the attempt. "
+        "Costs a sha256 over the weights on both sides (about 1 s per GB on one CPU core)."
+    )
+    weight_timeout_s: float = Field(
+        300, gt=0, description="The weight plane: the most any wait of a transfer may take (an engine's group "
+        "joining, each bucket's broadcast, an engine applying a version); past it the attempt ends with a "
+        "message naming the engine and what it waited for, instead of hanging."
+    )
     environment: Optional[EnvironmentConfig] = Field(
         None, description="Multi-turn episodes: the model's turns alternate with an environment's observations "
         "(tool results), each turn a request to the in-flight engine; the observation tokens carry no loss. "
@@ -1108,6 +1128,7 @@ class JobConfig(_Section):
             )
         problems += self._critic_problems(samples)
         problems += self._eval_engine_problems()
+        problems += self._weight_transfer_problems()
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         _raise_at(problems)
@@ -1127,6 +1148,37 @@ class JobConfig(_Section):
         if not self.algorithm.dynamic_sampling:
             return self.train.groups_per_step
         return self.algorithm.dynamic_sampling_groups or 2 * self.train.groups_per_step
+
+    def weight_plane(self) -> str:
+        """rollout.weight_transfer resolved: 'gloo' or 'object_store' (see its description)."""
+        asked, rollout = self.rollout.weight_transfer, self.rollout
+        if asked != "auto":
+            return asked
+        on_gpus = rollout.num_gpus > 0 or self.train.num_gpus > 0
+        return "gloo" if (rollout.engine == "vllm" and rollout.uses_in_flight() and not on_gpus) else "object_store"
+
+    def _weight_transfer_problems(self) -> list[str]:
+        """rollout.weight_transfer against the engine and the devices: nccl on CPU, ipc without a shared GPU,
+        gloo where NCCL is there, the plane without vLLM's in-flight engine."""
+        asked, rollout = self.rollout.weight_transfer, self.rollout
+        field = f"rollout.weight_transfer: {asked}"
+        gpus = rollout.num_gpus > 0 and self.train.num_gpus > 0
+        if asked == "nccl" and not gpus:
+            return [f"{field} broadcasts between GPUs, and this job runs on CPUs (rollout.num_gpus and "
+                    "train.num_gpus are 0); use auto (gloo on CPUs)"]
+        if asked == "ipc" and not (gpus and 0 < rollout.num_gpus < 1):
+            return [f"{field} shares a trainer's GPU memory with an engine on the same GPU, and no engine shares "
+                    "one (rollout.num_gpus must be a fraction beside a trainer rank's GPU); use auto"]
+        if asked in ("nccl", "ipc"):
+            return [f"{field} is not wired yet in this version (no GPU to prove it on); use auto (the object "
+                    "store on GPUs)"]
+        if asked == "gloo" and gpus:
+            return [f"{field} would copy every version through host memory where NCCL is available (rollout and "
+                    "train run on GPUs); use auto"]
+        if asked == "gloo" and not (rollout.engine == "vllm" and rollout.uses_in_flight()):
+            return [f"{field} needs vLLM's in-flight engine (rollout.engine: vllm, in_flight not false); "
+                    "use auto (the object store for this engine)"]
+        return []
 
     def _eval_engine_problems(self) -> list[str]:
         """The evaluator's vLLM engine takes rollout.vllm, tensor_parallel_size included, in one plain actor;

@@ -1,10 +1,15 @@
-"""The weight channel: a named Ray actor holding the latest (version, weights).
+"""The policy store: a Ray actor holding the latest policy version, and the weight plane's registry.
 
-Train publishes after every optimizer step; generators ask for the version before each
-batch (cheap) and pull weights only when theirs is older. Weights travel as one object
-in the object store (a dict of numpy arrays: zero-copy gets); the store keeps only the
-latest reference so old versions are freed, except versions named in `retain` (those an
-evaluator will read, see pipelines/evaluation/in_training.py): they stay until released.
+Train publishes after every optimizer step. Two ways weights reach generators:
+
+* The weight plane (vLLM engines, `rollout.weight_transfer: gloo`; operators/weight_plane.py): engines
+  register their rendezvous endpoint here (`register_engine`), the trainer's sender pushes each version
+  to them and records each delivery (`delivered`); an engine's rollout loop waits for its own
+  (`wait_delivered`). No weights pass through here.
+* The object store (the HF engine, and versions an evaluator reads): the trainer puts the buckets and
+  publishes a reference; generators pull when theirs is older. The store keeps only the latest
+  reference so old versions are freed, except versions named in `retain` (those an evaluator will read,
+  see pipelines/evaluation/in_training.py): they stay until released.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ class PolicyStore:
         self.retain = set(retain)
         self.retained: dict[int, object] = {}  # version -> weights ref, kept for a reader
         self.loads: list[dict] = []  # what in-flight generators report per weight update (operators/engines/rollout.py)
+        self.endpoints: dict[str, dict] = {}  # the weight plane: engine id -> its rendezvous endpoint
+        self.deliveries: dict[str, int] = {}  # engine id -> newest version its receivers hold
+        self.delivered_changed = asyncio.Condition()
 
     async def publish(self, version: int, weights_ref_box: list) -> None:
         """`weights_ref_box` is `[ray.put(state_dict)]`: boxed so Ray passes the reference."""
@@ -36,6 +44,32 @@ class PolicyStore:
             if version in self.retain:
                 self.retained[version] = self.weights_ref
             self.changed.notify_all()
+
+    async def wants_weights(self, version: int) -> bool:
+        """Whether `version` must also be put in the object store: an evaluator will read it."""
+        return version in self.retain
+
+    async def register_engine(self, engine_id: str, endpoint: dict) -> None:
+        self.endpoints[engine_id] = dict(endpoint)
+
+    async def unregister_engine(self, engine_id: str) -> None:
+        self.endpoints.pop(engine_id, None)
+
+    async def engines(self) -> dict[str, dict]:
+        return dict(self.endpoints)
+
+    async def delivered(self, engine_id: str, version: int, verified: bool = False) -> None:
+        """The sender's word that `engine_id`'s receivers hold `version`."""
+        async with self.delivered_changed:
+            self.deliveries[engine_id] = max(version, self.deliveries.get(engine_id, version))
+            self.delivered_changed.notify_all()
+
+    async def wait_delivered(self, engine_id: str, min_version: int, timeout_s: float | None = None) -> int:
+        """Block until `engine_id` holds a version >= min_version; that version."""
+        async with self.delivered_changed:
+            await asyncio.wait_for(self.delivered_changed.wait_for(
+                lambda: self.deliveries.get(engine_id, -1) >= min_version), timeout_s)
+            return self.deliveries[engine_id]
 
     async def get_version(self) -> int:
         return self.version

@@ -25,6 +25,7 @@ POLICY_SETTINGS = {
     "torch_threads": "train.torch_threads", "micro_batch_tokens": "train.micro_batch_tokens",
     "logits_chunk_tokens": "train.logits_chunk_tokens", "gradient_checkpointing": "train.gradient_checkpointing",
     "weight_bucket_mb": "train.weight_bucket_mb", "nan_policy": "train.nan_policy",
+    "weight_timeout_s": "rollout.weight_timeout_s", "verify_weights_every": "rollout.verify_weights_every",
     "zero3_persistence_threshold": "train.zero3_persistence_threshold", "ppo_epochs": "train.ppo_epochs",
     "mini_batches": "train.mini_batches", "temperature": "rollout.temperature",
     "trust_remote_code": "model.trust_remote_code",
@@ -60,7 +61,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
     """The policy ranks' settings (POLICY_SETTINGS, plus the LR schedule and the off-policy correction,
     which are built from several fields)."""
     return settings_from(
-        cfg, model_path, POLICY_SETTINGS, max_new_tokens=cfg.policy_budget(),
+        cfg, model_path, POLICY_SETTINGS, max_new_tokens=cfg.policy_budget(), weight_transfer=cfg.weight_plane(),
         lr_schedule=LrSchedule(
             warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
             total_steps=cfg.train.steps * updates_per_step(cfg),

