@@ -208,10 +208,17 @@ class WeightSender:
                     joined = self._connect_new()
                     if joined and self._latest is not None:
                         self._deliver(self._latest, joined)
-            except BaseException as err:  # the trainer raises it on its next send
-                logger.exception("weight sender failed")
+            except BaseException as err:  # the engines hear it from the store; the trainer on its next send
+                logger.error("weight sender failed: %s", err)
                 with self._cond:
                     self._failure = err
+                try:
+                    import ray
+
+                    ray.get(self.store.fail_plane.remote(f"{type(err).__name__}: {err}"), timeout=30)
+                except Exception:  # the store went with the job: nobody is waiting
+                    pass
+                return
             finally:
                 with self._cond:
                     self._busy = False

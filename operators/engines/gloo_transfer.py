@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -148,7 +149,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 raw = torch.zeros(size, dtype=torch.uint8)
                 post_broadcast(group, raw, info.timeout_s).wait()
                 layout = json.loads(raw.numpy().tobytes())
-                faults.reach("weights_receiving", version=version, engine_id=info.engine_id)
+                # the generate actor is the parent of the engine core, where this worker runs
+                faults.reach("weights_receiving", version=version, engine_id=info.engine_id, actor_pid=os.getppid())
                 buckets = []
                 for spec in layout["buckets"]:
                     data = torch.empty(int(spec["nbytes"]), dtype=torch.uint8)
@@ -165,7 +167,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     self._cond.notify_all()
         except BaseException as err:  # the update waiting for it says so
             if not self._stop:
-                logger.warning("streamrl weight receiver stopped: %s", err)
+                # the trainer's side closing at the end of a job reads the same as its death: the update that
+                # waits for this receiver (receive_weights) raises it; nothing to say until then
+                logger.info("streamrl weight receiver stopped: %s", err)
                 with self._cond:
                     self._received_failure = err
                     self._cond.notify_all()
@@ -208,12 +212,23 @@ def applied_mismatches(model, digests: dict[str, str], dtypes: dict[str, str],
     return checked, bad
 
 
+class QuietRotaryReload(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update: the rotary
+    cos/sin cache is a buffer derived from the config, never in a checkpoint, and vLLM puts the one it
+    computed back (layerwise.py `_place_kernel_tensors`). Drop that one line; any other layer still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
 def register() -> None:
     """Register the backend with vLLM's factory (once per process)."""
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, GlooWeightTransferEngine.__name__)
     except ValueError:  # already registered in this process
-        pass
+        return
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(QuietRotaryReload())
 
 
 register()

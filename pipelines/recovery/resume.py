@@ -39,6 +39,8 @@ MAY_CHANGE = (
 _PROCESS_DEATHS = (
     "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
     "OwnerDiedError", "ObjectLostError", "ObjectReconstructionFailedError", "ActorPlacementGroupRemoved",
+    # the weight plane (operators/weight_plane.py): an engine died mid-transfer, or stopped receiving
+    "WeightTransferError",
 )
 # What a surviving trainer rank's collective raises when a peer rank's process is gone (torch.distributed's
 # gloo transport, pair.cc: a read that finds the socket closed, or reset, a write that finds it gone); with

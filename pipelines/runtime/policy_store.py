@@ -18,6 +18,8 @@ import asyncio
 
 import ray
 
+from operators.weight_plane import WeightTransferError
+
 
 @ray.remote(num_cpus=0)
 class PolicyStore:
@@ -34,6 +36,7 @@ class PolicyStore:
         self.endpoints: dict[str, dict] = {}  # the weight plane: engine id -> its rendezvous endpoint
         self.deliveries: dict[str, int] = {}  # engine id -> newest version its receivers hold
         self.delivered_changed = asyncio.Condition()
+        self.plane_failure: str | None = None  # the sender's failure: every engine waiting for a version hears it
 
     async def publish(self, version: int, weights_ref_box: list) -> None:
         """`weights_ref_box` is `[ray.put(state_dict)]`: boxed so Ray passes the reference."""
@@ -68,8 +71,17 @@ class PolicyStore:
         """Block until `engine_id` holds a version >= min_version; that version."""
         async with self.delivered_changed:
             await asyncio.wait_for(self.delivered_changed.wait_for(
-                lambda: self.deliveries.get(engine_id, -1) >= min_version), timeout_s)
+                lambda: self.plane_failure is not None or self.deliveries.get(engine_id, -1) >= min_version), timeout_s)
+            if self.plane_failure is not None:
+                raise WeightTransferError(self.plane_failure)
             return self.deliveries[engine_id]
+
+    async def fail_plane(self, message: str) -> None:
+        """The sender failed (an engine died mid-transfer, a wait timed out): the engines' waits raise it, so
+        the attempt ends at once instead of every engine waiting for a version that will not come."""
+        async with self.delivered_changed:
+            self.plane_failure = message
+            self.delivered_changed.notify_all()
 
     async def get_version(self) -> int:
         return self.version

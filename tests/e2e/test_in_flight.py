@@ -312,3 +312,49 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
 
     run_id = re.search(r"resuming run (\S+) from", resumed.stdout).group(1)
     check_ledger(CheckpointDir.of_run(out, run_id).latest_valid().ledger(), 8, 4, 2)
+
+
+@pytest.mark.slow
+def test_generate_actor_killed_mid_weight_transfer_ends_the_attempt_and_every_group_is_trained_once(
+        tmp_path, untrained_model):
+    """The weight plane (operators/weight_plane.py): the generate actor is SIGKILLed while its engine's
+    receiver holds the first version's layout and not yet its buckets. The trainer's sender fails naming
+    the engine, the attempt ends (nothing hangs), the job restarts from its last checkpoint and finishes;
+    the ledger has every group once and the staleness bound held."""
+    import json
+
+    out, faults = tmp_path / "run", tmp_path / "faults"
+    faults.mkdir()
+    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
+            *[arg for item in dag_overrides(out, untrained_model, **{"train.max_staleness": 1,
+                                                                     "rollout.max_new_tokens": 16})
+              for arg in ("--set", item)]]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_FAULT_DIR": str(faults),
+           "STREAMRL_FAULT_POINTS": "weights_receiving", "STREAMRL_FAULT_HOLD_S": "60"}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+    seen, killed = [], None
+    marker = faults / "weights_receiving.json"
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if killed is None and marker.exists():
+                killed = json.loads(marker.read_text())
+                os.kill(killed["actor_pid"], signal.SIGKILL)
+        assert driver.wait(timeout=600) == 0, "".join(seen[-80:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = "".join(seen)
+    assert killed is not None and killed["version"] == 1, text[-3000:]
+    assert re.search(r"a process died \(.*WeightTransferError.*engine", text), text[-3000:]
+    assert "restart 1/" in text, text[-3000:]
+    from pipelines.recovery.checkpoint import CheckpointDir
+
+    run_id = re.search(r"checkpoints/(\S+?)/step_", text).group(1)
+    check_ledger(CheckpointDir.of_run(out, run_id).latest_valid().ledger(), 6, 4, 1)
