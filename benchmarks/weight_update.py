@@ -1,31 +1,34 @@
-"""Latency of one weight update, trainer to vLLM, through the real channel: publish -> pull -> load.
+"""One weight update, trainer to an in-flight vLLM engine, old plane against new, in one run.
 
-    flock /tmp/streamrl-bench.lock python benchmarks/weight_update.py [--sizes medium,large] [--repeats 5]
+    flock /tmp/streamrl-bench.lock python benchmarks/weight_update.py [--sizes medium,large,smollm2] [--repeats 5]
 
-One local Ray session, one real `PolicyStore`, real `TrainWorker`s (DeepSpeed, world of one) and one
-real vLLM engine (`VLLMEngine`, dtype float32 as in the tiny job) in this process. Per model size it
-times, interleaved (A B C A B C ...) so machine drift hits every channel alike:
+Real parts in one local Ray session: per plane a `PolicyStore` actor, a `TrainWorker` (DeepSpeed, a world
+of one, fp32 as on CPU) and an `AsyncVLLMEngine` under a `RolloutLoop` (dtype float32, partial rollout),
+exactly as a job wires them (operators/workers/state_io.py `_publish`, operators/engines/rollout.py):
 
-* `before`: the channel as it was before operators/weights.py, re-done here with the same calls:
-  the trainer's whole fp32 state dict as numpy, a NaN check, one `ray.put` of the dict, the store's
-  publish; the generator's `get_latest` + `ray.get`, `safetensors.numpy.save_file` to /dev/shm, the
-  workers' `load_weights_file`, a prefix-cache reset.
-* `after_fp32`: the bucket channel with an fp32 trainer: `TrainWorker._publish` (module-by-module
-  walk, buckets of `train.weight_bucket_mb`, one object each, manifest to the store); the
-  generator's `get_latest` + `operators.weights.fetch`, `VLLMEngine.load_weights`.
-* `after_bf16`: the same with a bf16 trainer (`train.dtype: bf16`, ZeRO-1): half the bytes; vLLM
-  casts the bf16 weights to its float32 on load.
+* `object_store` (the plane before operators/weight_plane.py): rank 0 packs buckets, puts each in the
+  object store and publishes the manifest; the engine's watcher pulls the buckets, writes a safetensors
+  file, pauses, loads it through the worker extension, resumes.
+* `gloo` (the weight plane): rank 0 packs the buckets and hands them to its sender, whose thread
+  broadcasts them over gloo to the engine's receiver (vLLM's weight-transfer API, our backend); the
+  engine pauses only to apply the staged version and confirm it.
 
-Each is split into publish (trainer side), pull (store to generator) and load (into vLLM) seconds.
-The first recorded figures (0.70 s at 12.7M, 2.98 s at 42.5M, benchmarks/generate_throughput.py on
-2026-11-30) timed the load alone through an older path (a pickled blob through `collective_rpc`).
-Writes benchmarks/results/weight_update.json.
+Per update (interleaved A B A B so machine drift hits both alike; the first round warms up and is not
+kept): `trainer_blocked_s` (what `_publish` held the rank: gather, pack, NaN check, then the put and
+publish, or the hand-over), `update_s` (from the publish's start to the engine running the version) and
+`pause_s` (the engine's stall, from its UpdateRecord). The engine is idle during the update: the pause
+is the apply alone, without requests to freeze. Also the bandwidths the 7B estimate reads: pack (gather
+to host buckets), the gloo broadcast, and the apply.
+
+Sizes: `medium` (12.7M) and `large` (42.5M) of benchmarks/generate_throughput.py, and `smollm2`, the
+real SmolLM2-135M-Instruct (pipelines/data/smollm2.py). Writes benchmarks/results/weight_update.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -37,76 +40,83 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RESULTS = ROOT / "benchmarks" / "results"
-CHANNELS = ("before", "after_fp32", "after_bf16")
+PLANES = ("object_store", "gloo")
 
 
-def trainer(path: Path, dtype: str, store, port: int):
+def model_path(size: str, models: Path) -> tuple[Path, int]:
+    if size == "smollm2":
+        from pipelines.data.smollm2 import build_smollm2
+
+        path = build_smollm2()
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        return path, 134_515_008 if config.tie_word_embeddings else 0
+    from generate_throughput import build_model
+
+    return build_model(size, models)
+
+
+def side(path: Path, plane: str, port: int):
+    """A (store, trainer rank, rollout loop) wired as a job wires them for `plane`."""
+    import ray
+
+    from operators.engines.factory import make_in_flight_engine
+    from operators.engines.rollout import RolloutLoop
     from operators.workers.settings import LrSchedule, TrainerSettings
     from operators.workers.train_worker import TrainWorker
+    from pipelines.runtime.policy_store import PolicyStore
 
-    settings = TrainerSettings(model_path=str(path), lr=1e-5, zero_stage=0 if dtype == "fp32" else 1, dtype=dtype,
-                               torch_threads=2, lr_schedule=LrSchedule(warmup_steps=0))
-    return TrainWorker(0, 1, port, settings, store)
-
-
-def before(worker, store, engine) -> dict:
-    """The channel before the buckets (see the module docstring), with the same calls."""
-    import numpy as np
-    import ray
-    from safetensors.numpy import save_file
-
-    start = time.perf_counter()
-    weights = worker.state_dict()  # fp32 numpy, whole model
-    assert not [name for name, array in weights.items() if not np.isfinite(array).all()]
-    worker.version = ray.get(store.get_version.remote()) + 1
-    ray.get(store.publish.remote(worker.version, [ray.put(weights)]))
-    published = time.perf_counter()
-    del weights
-    version, (ref,) = ray.get(store.get_latest.remote())
-    pulled_weights = ray.get(ref)
-    pulled = time.perf_counter()
-    engine.weight_file.count += 1
-    path = f"{engine.weight_file.dir.name}/before-{engine.weight_file.count % 2}.safetensors"
-    save_file({name: np.ascontiguousarray(array) for name, array in pulled_weights.items()}, path)
-    engine.llm.collective_rpc("load_weights_file", args=(path,))
-    engine.llm.reset_prefix_cache()
-    loaded = time.perf_counter()
-    return {"publish_s": published - start, "pull_s": pulled - published, "load_s": loaded - pulled,
-            "bytes": sum(array.nbytes for array in pulled_weights.values())}
+    store = PolicyStore.remote(0)
+    ray.get(store.get_version.remote())
+    settings = TrainerSettings(model_path=str(path), lr=1e-5, torch_threads=1, lr_schedule=LrSchedule(warmup_steps=0),
+                               weight_transfer=plane, verify_weights_every=0)
+    worker = TrainWorker(0, 1, port, settings, store)
+    options = {"weight_transfer": "gloo", "weight_timeout_s": 300} if plane == "gloo" else {}
+    engine = make_in_flight_engine("vllm", str(path), gpu_memory_utilization=0.1, max_model_len=256,
+                                   max_num_seqs=16, **options)
+    loop = RolloutLoop(engine, max_seqs_in_flight=16, partial_rollout=True, store=store, name=f"bench-{plane}")
+    return store, worker, loop
 
 
-def after(worker, store, engine) -> dict:
+def one_update(store, worker, loop) -> dict:
     import ray
 
-    from operators.weights import fetch
-
+    version = loop.version + 1
+    worker.version = version
     start = time.perf_counter()
-    worker.version = ray.get(store.get_version.remote()) + 1
-    worker._publish()
-    published = time.perf_counter()
-    version, (ref,) = ray.get(store.get_latest.remote())
-    weights = fetch(ref)
-    pulled = time.perf_counter()
-    engine.load_weights(weights)
-    loaded = time.perf_counter()
-    return {"publish_s": published - start, "pull_s": pulled - published, "load_s": loaded - pulled,
-            "bytes": weights.nbytes, "buckets": len(weights.buckets)}
+    blocked = worker._publish()
+    loop.wait_version(version, timeout_s=600)
+    done = time.perf_counter()
+    records = []
+    while not records:  # the loop reports its UpdateRecord just after the version changes
+        records = [r for r in ray.get(store.load_log.remote()) if r["version"] == version]
+        time.sleep(0.01 if not records else 0)
+    record = records[-1]
+    figures = {"trainer_blocked_s": blocked, "update_s": done - start, "pause_s": record["pause_s"],
+               "load_s": record["load_s"], "bytes": worker.last_publish["bytes"]}
+    sender = getattr(worker, "weight_sender", None)
+    if sender is not None and sender.records:
+        figures["broadcast_s"] = sender.records[-1]["broadcast_s"]
+    return figures
 
 
-def written_error(engine, expected: dict) -> float:
-    """Greatest |difference| between the file the vLLM workers last read and the trainer's weights
-    (0 when the bf16 buckets went through unchanged)."""
-    import numpy as np
-    from safetensors.torch import load_file
+def pack_seconds(worker) -> float:
+    """Gather + pack into host buckets alone (what every plane starts with)."""
+    start = time.perf_counter()
+    buckets = list(worker.weight_buckets())
+    del buckets
+    return time.perf_counter() - start
 
-    path = f"{engine.weight_file.dir.name}/weights-{engine.weight_file.count % 2}.safetensors"
-    written = {name: tensor.float().numpy() for name, tensor in load_file(path).items()}
-    return max(float(np.abs(written[name] - array).max()) for name, array in expected.items())
+
+def median(rows: list[dict], key: str) -> float | None:
+    values = [row[key] for row in rows if key in row]
+    return round(statistics.median(values), 4) if values else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="medium,large", help="model sizes of generate_throughput.py")
+    parser.add_argument("--sizes", default="medium,large,smollm2")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="/tmp/streamrl-bench-models")
     parser.add_argument("--out", default=str(RESULTS / "weight_update.json"))
@@ -114,57 +124,55 @@ def main() -> None:
 
     import ray
 
-    from generate_throughput import build_model
-    from operators.engines.vllm import VLLMEngine
-    from pipelines.runtime.policy_store import create_policy_store
     from operators.workers.deepspeed_setup import free_port
 
-    ray.init(num_cpus=2, object_store_memory=1536 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=2048 * 2**20, include_dashboard=False, log_to_driver=False)
     records = []
     for size in args.sizes.split(","):
-        path, params = build_model(size, Path(args.models))
-        store_name = f"weights-bench-{size}"
-        store = create_policy_store(store_name)
-        ray.get(store.get_version.remote())
-        workers = {"fp32": trainer(path, "fp32", store, free_port()),
-                   "bf16": trainer(path, "bf16", store, free_port())}
-        engine = VLLMEngine(str(path), gpu_memory_utilization=0.2, max_model_len=512, dtype="float32")
-        times = {channel: [] for channel in CHANNELS}
-        for repeat in range(args.repeats + 1):  # the first round warms every path up and is not kept
-            for channel in CHANNELS:
-                if channel == "before":
-                    timing = before(workers["fp32"], store, engine)
-                else:
-                    timing = after(workers[channel.removeprefix("after_")], store, engine)
-                timing["total_s"] = timing["publish_s"] + timing["pull_s"] + timing["load_s"]
+        path, params = model_path(size, Path(args.models))
+        sides = {plane: side(path, plane, free_port()) for plane in PLANES}
+        rows = {plane: [] for plane in PLANES}
+        packs = []
+        for repeat in range(args.repeats + 1):
+            for plane in PLANES:
+                figures = one_update(*sides[plane])
                 if repeat:
-                    times[channel].append(timing)
-                print(f"{size} {channel:<11} " + " ".join(f"{k} {v:.3f}" for k, v in timing.items() if k.endswith("_s")),
+                    rows[plane].append(figures)
+                print(f"{size} {plane:<12} " + " ".join(f"{k} {v:.3f}" for k, v in figures.items() if k.endswith("_s")),
                       flush=True)
-        error = written_error(engine, workers["bf16"].state_dict())  # after_bf16 ran last
-        record = {"model": size, "parameters": params, "bf16_written_max_abs_error": error, "channels": {}}
-        for channel, rows in times.items():
-            record["channels"][channel] = {
-                key: round(statistics.median(row[key] for row in rows), 4)
-                for key in ("publish_s", "pull_s", "load_s", "total_s")
-            } | {"bytes": rows[0]["bytes"], "buckets": rows[0].get("buckets", 1)}
-        base = record["channels"]["before"]["total_s"]
-        record["speedup_vs_before"] = {c: round(base / record["channels"][c]["total_s"], 2) for c in CHANNELS[1:]}
+            if repeat:
+                packs.append(pack_seconds(sides["gloo"][1]))
+        record = {"model": size, "parameters": params, "planes": {}}
+        for plane in PLANES:
+            record["planes"][plane] = {key: median(rows[plane], key) for key in
+                                       ("trainer_blocked_s", "update_s", "pause_s", "load_s", "broadcast_s")}
+            record["planes"][plane]["bytes"] = rows[plane][0]["bytes"]
+        old, new = record["planes"]["object_store"], record["planes"]["gloo"]
+        nbytes = new["bytes"]
+        record["pack_s"] = round(statistics.median(packs), 4)
+        record["bandwidth_GBps"] = {"pack": round(nbytes / record["pack_s"] / 1e9, 3),
+                                    "gloo_broadcast": round(nbytes / new["broadcast_s"] / 1e9, 3),
+                                    "apply": round(nbytes / new["load_s"] / 1e9, 3)}
+        record["speedup"] = {key: round(old[key] / new[key], 2) for key in ("update_s", "trainer_blocked_s", "pause_s")}
         records.append(record)
-        engine.close()
-        del workers
-        ray.kill(store)
-    print(f"\n{'model':<8}{'params':>8} {'channel':<11}{'MB':>7}{'publish':>9}{'pull':>8}{'load':>8}{'total':>8}{'vs before':>10}")
+        for store, worker, loop in sides.values():
+            loop.close()
+            sender = getattr(worker, "weight_sender", None)
+            if sender is not None:
+                sender.close()
+            ray.kill(store)
+        del sides
+    print(f"\n{'model':<8}{'params':>8} {'plane':<13}{'MB':>6}{'blocked':>9}{'update':>8}{'pause':>8}{'apply':>8}")
     for r in records:
-        for channel, c in r["channels"].items():
-            ratio = r["speedup_vs_before"].get(channel)
-            print(f"{r['model']:<8}{r['parameters'] / 1e6:>7.1f}M {channel:<11}{c['bytes'] / 2**20:>7.0f}{c['publish_s']:>9.3f}"
-                  f"{c['pull_s']:>8.3f}{c['load_s']:>8.3f}{c['total_s']:>8.3f}{(f'{ratio:.2f}x' if ratio else ''):>10}")
+        for plane, c in r["planes"].items():
+            print(f"{r['model']:<8}{r['parameters'] / 1e6:>7.1f}M {plane:<13}{c['bytes'] / 2**20:>6.0f}"
+                  f"{c['trainer_blocked_s']:>9.3f}{c['update_s']:>8.3f}{c['pause_s']:>8.3f}{c['load_s']:>8.3f}")
+        print(f"{'':<17}new vs old: update {r['speedup']['update_s']}x, trainer blocked "
+              f"{r['speedup']['trainer_blocked_s']}x, pause {r['speedup']['pause_s']}x; bandwidths GB/s {r['bandwidth_GBps']}")
     out = {
         "command": "python benchmarks/weight_update.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs",
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "recorded_before_load_only_s": {"medium": 0.70, "large": 2.98},
         "records": records,
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
