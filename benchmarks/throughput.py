@@ -87,7 +87,8 @@ def mode_config(mode: str, model_path: str, args):
         "train.num_cpus=0.8",
         f"tracking.run_name=throughput-{mode}",
         *([f"rollout.in_flight={str(spec['in_flight']).lower()}"] if "in_flight" in spec else []),
-        *(["rollout.partial_rollout=true"] if spec.get("partial") else []),
+        # explicit both ways: partial rollout is the default for an in-flight vllm engine (issue 26, 4h)
+        f"rollout.partial_rollout={str(bool(spec.get('partial'))).lower()}",
         *args.set,
     ]
     return load_config(CONFIG, overrides)

@@ -258,7 +258,7 @@ def remove_orphan_weight_dirs(base: str, min_age_s: float = ORPHAN_AGE_S) -> tup
     return removed, freed
 
 
-def _request_seed(seed: int, prompt_index: int, n: int) -> int:
+def request_seed(seed: int, prompt_index: int, n: int) -> int:
     """Per-request seed, stable for (seed, prompt position). vLLM gives the i-th of the
     `n` samples of a request the seed `seed + i`, so leave room for them below 2**31."""
     state = np.random.SeedSequence([int(seed) % 2**32, prompt_index]).generate_state(1, dtype=np.uint32)[0]
@@ -346,7 +346,7 @@ class VLLMEngine(VLLMBase):
         copies = params.n if greedy else 1
         prompts, sampling = [], []
         for index, ids in enumerate(prompt_token_ids):
-            sp = request_sampling(params, _request_seed(params.seed, index, 1 if greedy else params.n),
+            sp = request_sampling(params, request_seed(params.seed, index, 1 if greedy else params.n),
                                   stop_token_ids=list(self.stop_ids))
             for _ in range(copies):
                 prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))

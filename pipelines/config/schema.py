@@ -337,10 +337,15 @@ class RolloutConfig(_Section):
         "max_seqs_in_flight (ceil(max_seqs_in_flight / (groups_per_call x n))) plus one, so a call is always ready "
         "when one ends."
     )
-    partial_rollout: bool = Field(
-        False, description="In flight: on a new policy version, pause the requests in flight, load the weights "
+    partial_rollout: Optional[bool] = Field(
+        None, description="In flight: on a new policy version, pause the requests in flight, load the weights "
         "and go on decoding them with the new ones (tokens record their version: token_policy_versions); "
-        "false: every response comes from one version (see update_when)."
+        "false (drain): every response comes from one version (see update_when). Default: true where the engine "
+        "can pause requests in flight (engine vllm with in_flight), false otherwise (hf, or in_flight: false). "
+        "Partial rollout is the default because an update then waits only for the weights to load, not for the "
+        "longest response in flight to finish; the tokens after it follow the new weights, and the importance "
+        "correction (algorithm.tis/mis) sees each token's own version. Set false where each response must come "
+        "from one version."
     )
     update_when: Literal["drain", "idle"] = Field(
         "drain", description="In flight without partial rollout: when a new version is loaded. 'drain': at once; "
@@ -391,6 +396,8 @@ class RolloutConfig(_Section):
                 f"in_flight: engine {self.engine!r} is call-synchronous (it cannot keep requests in flight); "
                 "use engine: vllm, or in_flight: false"
             )
+        if self.partial_rollout is None:  # the default: partial where the engine can pause requests in flight
+            self.partial_rollout = self.uses_in_flight()
         if self.partial_rollout and not self.uses_in_flight():
             if has_in_flight_form(self.engine):
                 raise ValueError("partial_rollout: needs the engine's requests kept in flight, but in_flight is false; "

@@ -101,7 +101,7 @@ def trainer_memory_problem(cfg, model_path: str) -> str | None:
             "train.logits_chunk_tokens")
 
 
-# --- the weight channel's share of Ray's object store ------------------------------------------------
+# --- what goes through Ray's object store, node by node ---------------------------------------------
 
 MIB = 2**20
 # Versions of the policy's weights the object store may hold at once: the one generators load, the one
@@ -112,32 +112,62 @@ RETAINED_FOR_EVAL = 2  # retained versions an evaluator that lags may not have r
 OBJECT_STORE_HEADROOM_MB = 128  # Ray Data's blocks of groups in flight, and Ray's own objects
 
 
-def weight_channel_mb(cfg, model_path: str) -> dict[str, float] | None:
-    """MB of object store the weight channel may need (per published copy, and in all), from the model's
-    config.json; None when the folder does not say enough."""
+def policy_versions_in_store(cfg, may_run) -> tuple[int, str]:
+    """Versions of the policy's weights one node's object store may hold, and why. `may_run(stage)`: whether
+    the node may run that actor (pipelines/runtime/resources.py's stage names).
+
+    vLLM engines take each version over vLLM's weight-transfer API (NCCL on GPUs, gloo on CPUs), not the
+    object store. What still goes through it: each version the HF engine pulls (rank 0 puts it, every
+    generate actor's node holds a copy while it reads), and the versions retained for the in-training
+    evaluator (rank 0 puts them; the evaluator's node reads one at a time)."""
+    live = VERSIONS_IN_FLIGHT if cfg.rollout.engine == "hf" else 0
+    retained = RETAINED_FOR_EVAL if cfg.eval is not None else 0
+    why = " and ".join(reason for count, reason in ((live, "the HF engine pulls each version from the store"),
+                                                   (retained, "versions retained for the evaluator")) if count)
+    if may_run("train"):  # trainer rank 0 puts every version that goes through the store
+        return live + retained, why
+    reads = max(live if may_run("generate") else 0, 1 if retained and may_run("eval") else 0)
+    return reads, why
+
+
+def weight_channel_mb(cfg, model_path: str, stages: set[str] | None = None) -> dict[str, float] | None:
+    """MB of object store one node needs for what goes through it, from the model's config.json; None when
+    the folder does not say enough. `stages`: the actors the node may run (resources.py's stage names,
+    plus "driver"); None: all of them (one node runs the whole job)."""
     shape = model_shape(model_path)
     if shape is None:
         return None
+    may_run = (lambda stage: True) if stages is None else stages.__contains__
     params = parameter_count(shape)
     policy_mb = params * (2 if cfg.train.dtype == "bf16" else 4) / MIB  # published in the training dtype
-    copies = VERSIONS_IN_FLIGHT + (RETAINED_FOR_EVAL if cfg.eval is not None else 0)
-    critic_mb = params * 4 / MIB * VERSIONS_IN_FLIGHT if cfg.critic is not None else 0.0  # the critic trains in fp32
-    return {"policy_mb": policy_mb, "copies": copies, "critic_mb": critic_mb,
-            "total_mb": policy_mb * copies + critic_mb + OBJECT_STORE_HEADROOM_MB}
+    copies, why = policy_versions_in_store(cfg, may_run)
+    # the critic's rank 0 puts its weights in the store and the Value stage reads them (fp32: it trains in fp32)
+    holds_critic = cfg.critic is not None and (may_run("critic") or may_run("value"))
+    critic_mb = params * 4 / MIB * VERSIONS_IN_FLIGHT if holds_critic else 0.0
+    blocks_mb = OBJECT_STORE_HEADROOM_MB if stages is None or stages else 0  # samples pass every node that runs a stage
+    return {"policy_mb": policy_mb, "copies": copies, "why": why, "critic_mb": critic_mb, "blocks_mb": blocks_mb,
+            "total_mb": policy_mb * copies + critic_mb + blocks_mb}
 
 
-def object_store_problem(cfg, model_path: str, store_mb: float, where: str) -> str | None:
-    """Why an object store of `store_mb` (`where`: which one) cannot carry the weight channel; None if it can."""
-    need = weight_channel_mb(cfg, model_path)
+def object_store_problem(cfg, model_path: str, store_mb: float, where: str,
+                         stages: set[str] | None = None) -> str | None:
+    """Why an object store of `store_mb` (`where`: whose; "local": ray.object_store_memory_mb of a local
+    cluster) cannot carry what its node may run (`stages`, see weight_channel_mb); None if it can."""
+    need = weight_channel_mb(cfg, model_path, stages)
     if need is None or need["total_mb"] <= store_mb:
         return None
-    parts = f"{need['policy_mb']:.0f} MB of policy weights ({cfg.train.dtype}) x {need['copies']} versions in flight"
+    parts = [f"{need['policy_mb']:.0f} MB of policy weights ({cfg.train.dtype}) x {need['copies']} versions "
+             f"({need['why']})"] if need["copies"] else []
     if need["critic_mb"]:
-        parts += f", {need['critic_mb']:.0f} MB for the critic's"
+        parts.append(f"{need['critic_mb']:.0f} MB for the critic's")
+    if need["blocks_mb"]:
+        parts.append(f"{need['blocks_mb']} MB for the DAG's blocks")
     fix = ("set ray.object_store_memory_mb to at least " + f"{math.ceil(need['total_mb'])}" if where == "local"
-           else "start the cluster's nodes with `ray start --object-store-memory` of at least "
+           else "start that node with `ray start --object-store-memory` of at least "
            f"{math.ceil(need['total_mb']) * MIB} bytes")
-    halve = "" if cfg.train.dtype == "bf16" else ", or train.dtype: bf16 to halve the weights"
-    return (f"ray.object_store_memory_mb: the weight channel needs about {need['total_mb']:.0f} MB of object store "
-            f"({parts}, {OBJECT_STORE_HEADROOM_MB} MB for the DAG) but the {where} object store has "
-            f"{store_mb:.0f} MB; {fix}{halve}")
+    halve = "" if cfg.train.dtype == "bf16" or not need["copies"] else ", or train.dtype: bf16 to halve the weights"
+    skip = (", or rollout.engine: vllm (its weights skip the object store)"
+            if cfg.rollout.engine == "hf" and need["copies"] else "")
+    place = "the local object store" if where == "local" else f"the object store of {where}"
+    return (f"ray.object_store_memory_mb: about {need['total_mb']:.0f} MB goes through {place}: "
+            f"{', '.join(parts)}; it has {store_mb:.0f} MB: {fix}{halve}{skip}")

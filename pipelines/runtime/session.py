@@ -1,6 +1,6 @@
 """The job's Ray session: join a cluster or start a local one (loopback only, token auth), with the
 environment every Ray worker gets; `ray_session` uses the caller's Ray if there is one, and
-`check_object_store` refuses a session whose object stores cannot hold the weight channel."""
+`check_object_store` refuses a session whose object stores cannot hold what goes through them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import ray
 
 from pipelines.config.schema import ConfigError, JobConfig
 from pipelines.runtime.memory import object_store_problem
+from pipelines.runtime.resources import Node, demands
 
 # Set in every Ray worker: quiet libraries, no hub access, CPU DeepSpeed unless a trainer rank has a GPU
 # (trainer_group sets DS_ACCELERATOR per rank).
@@ -94,14 +95,35 @@ def ray_session(cfg: JobConfig):
         ray.shutdown()
 
 
-def check_object_store(cfg: JobConfig, model_path: str, store_mb: float | None = None, where: str = "") -> None:
-    """Refuse (ConfigError) an object store too small for the weight channel (pipelines/runtime/memory.py).
-    `store_mb` None: the smallest object store of the connected cluster's live nodes."""
-    if store_mb is None:
-        sizes = [node["Resources"].get("object_store_memory", 0) / 2**20 for node in ray.nodes() if node.get("Alive")]
-        if not sizes:
-            return
-        store_mb, where = min(sizes), "smallest node's"
-    problem = object_store_problem(cfg, model_path, store_mb, where)
-    if problem:
-        raise ConfigError([("ray.object_store_memory_mb", problem.split(": ", 1)[1])])
+def check_object_store(cfg: JobConfig, model_path: str, store_mb: float | None = None, where: str = "",
+                       nodes: list[dict] | None = None) -> None:
+    """Refuse (ConfigError) an object store too small for what goes through it (pipelines/runtime/memory.py).
+    `store_mb` given: one store through which everything goes (`where` names it; "local": a local cluster's).
+    Else each live node of `nodes` (shaped like `ray.nodes()`; default: the connected cluster's), for what it
+    may run: the job's actors that fit its resources (pipelines/runtime/resources.py's demands, which the
+    placement checks use too), and the driver, which reads the DAG's output."""
+    if store_mb is not None:
+        problem = object_store_problem(cfg, model_path, store_mb, where)
+        if problem:
+            raise ConfigError([("ray.object_store_memory_mb", problem.split(": ", 1)[1])])
+        return
+    driver = ray.get_runtime_context().get_node_id() if nodes is None else None
+    problems = []
+    for node in ray.nodes() if nodes is None else nodes:
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources", {})
+        stages = stages_on_node(cfg, resources) | ({"driver"} if node.get("NodeID") == driver else set())
+        name = (f"node {node.get('NodeManagerAddress') or node.get('NodeID', '?')[:8]} "
+                f"(which may run {', '.join(sorted(stages)) or 'nothing of this job'})")
+        problem = object_store_problem(cfg, model_path, resources.get("object_store_memory", 0) / 2**20, name, stages)
+        if problem:
+            problems.append(("ray.object_store_memory_mb", problem.split(": ", 1)[1]))
+    if problems:
+        raise ConfigError(problems)
+
+
+def stages_on_node(cfg: JobConfig, resources: dict[str, float]) -> set[str]:
+    """The job's actors (resources.demands' names) that a node with these total resources could run."""
+    node = Node("", dict(resources))
+    return {name for name, demand in demands(cfg).items() if node.fits(demand.resources)}

@@ -177,14 +177,14 @@ def test_an_object_store_too_small_for_the_weights_is_refused_with_the_fix(tmp_p
     assert "512 MB" in message and "at least" in message and "train.dtype: bf16" in message
     check_object_store(bf16, folder, need_bf16["total_mb"] + 1, "local")  # enough: no error
     with pytest.raises(ConfigError, match="ray start --object-store-memory"):
-        check_object_store(bf16, folder, need_bf16["total_mb"] - 1, "smallest node's")
+        check_object_store(bf16, folder, need_bf16["total_mb"] - 1, "node 10.0.0.1")
 
 
 def test_the_running_cluster_object_store_is_checked(ray_cluster, tmp_path):
-    """No size given: the smallest live node's object store (512 MB in the test cluster)."""
+    """No size given: each live node's object store (one of 512 MB in the test cluster, which runs all)."""
     from pipelines.runtime.session import check_object_store
 
-    with pytest.raises(ConfigError, match="smallest node's object store has 512 MB"):
+    with pytest.raises(ConfigError, match="the HF engine pulls each version .* it has 512 MB"):
         check_object_store(load_config(None, []), _model_folder(tmp_path))
     check_object_store(load_config(None, []), _model_folder(tmp_path, num_hidden_layers=1, vocab_size=1000,
                                                             hidden_size=256, intermediate_size=512,

@@ -197,3 +197,20 @@ def test_generate_actors_a_count_or_a_range(tmp_path):
         assert list(problems) == ["rollout.num_actors"] and says in problems["rollout.num_actors"], (bad, problems)
     problems = problems_of(tmp_path, {"rollout": {"num_actors": "1-3", "engine": "vllm", "vllm": {"tensor_parallel_size": 2}}})
     assert list(problems) == ["rollout.num_actors"] and "needs tensor_parallel_size 1" in problems["rollout.num_actors"]
+
+
+def test_partial_rollout_is_the_default_where_the_engine_can_pause_requests_in_flight(tmp_path):
+    """Issue 26 (4h): partial rollout unless the engine cannot pause requests in flight; drain stays selectable."""
+    from pipelines.config.schema import vllm_installed
+
+    assert load_config(TINY, ["rollout.engine=hf"]).rollout.partial_rollout is False  # call-synchronous: drain
+    problems = problems_of(tmp_path, {"rollout": {"engine": "hf", "partial_rollout": True}})
+    assert "partial_rollout: engine 'hf' cannot pause requests in flight" in problems["rollout"]
+    if not vllm_installed():
+        pytest.skip("rollout.engine: vllm needs vLLM installed")
+    assert load_config(TINY, ["rollout.engine=vllm"]).rollout.partial_rollout is True
+    assert load_config(TINY, ["rollout.engine=vllm", "rollout.partial_rollout=false"]).rollout.partial_rollout is False
+    assert load_config(TINY, ["rollout.engine=vllm", "rollout.in_flight=false"]).rollout.partial_rollout is False
+    # The resolved value is what a run records, so a resumed run keeps the mode it started with.
+    dumped = load_config(TINY, ["rollout.engine=vllm"]).model_dump(mode="json")["rollout"]
+    assert dumped["partial_rollout"] is True
