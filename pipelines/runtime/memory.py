@@ -116,11 +116,13 @@ def policy_versions_in_store(cfg, may_run) -> tuple[int, str]:
     """Versions of the policy's weights one node's object store may hold, and why. `may_run(stage)`: whether
     the node may run that actor (pipelines/runtime/resources.py's stage names).
 
-    vLLM engines take each version over vLLM's weight-transfer API (NCCL on GPUs, gloo on CPUs), not the
-    object store. What still goes through it: each version the HF engine pulls (rank 0 puts it, every
-    generate actor's node holds a copy while it reads), and the versions retained for the in-training
-    evaluator (rank 0 puts them; the evaluator's node reads one at a time)."""
-    live = VERSIONS_IN_FLIGHT if cfg.rollout.engine == "hf" else 0
+    On the weight plane (`cfg.weight_plane()` gloo: vLLM's in-flight engines on CPUs) engines take each
+    version over vLLM's weight-transfer API, not the object store. What still goes through it: each version
+    engines pull on the object-store plane (the HF engine, vLLM with in_flight false, and vLLM on GPUs until
+    NCCL is wired; rank 0 puts it, every generate actor's node holds a copy while it reads), and the
+    versions retained for the in-training evaluator (rank 0 puts them; the evaluator's node reads one at a
+    time)."""
+    live = VERSIONS_IN_FLIGHT if cfg.weight_plane() == "object_store" else 0
     retained = RETAINED_FOR_EVAL if cfg.eval is not None else 0
     why = " and ".join(reason for count, reason in ((live, "the HF engine pulls each version from the store"),
                                                    (retained, "versions retained for the evaluator")) if count)
@@ -166,8 +168,9 @@ def object_store_problem(cfg, model_path: str, store_mb: float, where: str,
            else "start that node with `ray start --object-store-memory` of at least "
            f"{math.ceil(need['total_mb']) * MIB} bytes")
     halve = "" if cfg.train.dtype == "bf16" or not need["copies"] else ", or train.dtype: bf16 to halve the weights"
-    skip = (", or rollout.engine: vllm (its weights skip the object store)"
-            if cfg.rollout.engine == "hf" and need["copies"] else "")
+    on_gpus = cfg.rollout.num_gpus > 0 or cfg.train.num_gpus > 0  # GPUs: the object store until NCCL is wired
+    skip = (", or rollout.engine: vllm (its in-flight engines take the weights on the weight plane, not the "
+            "object store)" if cfg.rollout.engine == "hf" and not on_gpus and need["copies"] else "")
     place = "the local object store" if where == "local" else f"the object store of {where}"
     return (f"ray.object_store_memory_mb: about {need['total_mb']:.0f} MB goes through {place}: "
             f"{', '.join(parts)}; it has {store_mb:.0f} MB: {fix}{halve}{skip}")

@@ -168,8 +168,12 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
     cfg = load_config(None, ["critic.lr=0.01", "algorithm.advantage=gae"])
     built = trainer_settings(cfg, "model")
     fields = {f.name for f in dataclasses.fields(TrainerSettings)}
-    # max_new_tokens: the policy's budget per response (rollout.max_new_tokens, times turns in an episode)
-    assert fields == {"model_path", "lr_schedule", "correction", "max_new_tokens", *POLICY_SETTINGS}
+    # max_new_tokens: the policy's budget per response (rollout.max_new_tokens, times turns in an episode);
+    # weight_transfer: rollout.weight_transfer resolved for the engine and devices (JobConfig.weight_plane)
+    assert fields == {"model_path", "lr_schedule", "correction", "max_new_tokens", "weight_transfer",
+                      *POLICY_SETTINGS}
+    assert built.weight_transfer == cfg.weight_plane() == "object_store"  # the default engine is hf
+    assert critic_settings(cfg, "critic").weight_transfer == "object_store"  # the Value stage reads the store
     defaults = TrainerSettings(model_path="model")
     for name in [*POLICY_SETTINGS, "max_new_tokens"]:
         assert getattr(defaults, name) == getattr(built, name), name
