@@ -32,11 +32,15 @@ GIB = 2**30
 # repeated to every head, as HF does when a padding mask is passed) and its output (4 x width x h); the
 # gated MLP keeps gate, SiLU(gate), up and their product (4 x width x inter). Each layer's SDPA also keeps
 # the padding mask it was passed, as a [rows, 1, L, L] float tensor of its own: L x width bytes a token,
-# L the padded sequence length (layer_activation_bytes adds it). 16-bit: 24 h + 8 inter + 2 L, i.e.
-# 45 h for SmolLM2-135M (inter 2.7 h) and 67-71 h for Qwen2.5-0.5B/1.5B (inter 5.4-5.8 h), not the 34 h
-# Korthikanti et al. give for Megatron's fused kernels. benchmarks/activation_memory.py measures the real
-# SmolLM2-135M on CPU at two lengths and fits the per-token slope (results/activation_memory.json): it
-# matches this count to within 1%; tests/integration/test_activation_memory.py checks it again.
+# L the padded sequence length (layer_activation_bytes adds it). 16-bit: 24 h + 8 inter + 2 L, i.e., the
+# mask aside, 45 h for SmolLM2-135M (inter 2.7 h) and 67-71 h for Qwen2.5-0.5B/1.5B (inter 5.4-5.8 h), not
+# the 34 h Korthikanti et al. give for Megatron's fused kernels; fp32 is 1.8x that, not 2x (the norms'
+# fp32 copies). benchmarks/activation_memory.py measured the real SmolLM2-135M on CPU at 2 x 128 and
+# 2 x 256 tokens (results/activation_memory.json): per-token slopes of 47.0 h per layer in bf16 and
+# 85.8 h in fp32, against 46.7 h and 85.3 h counted here (the rest lies outside the layers), and a
+# forward-and-backward peak 3-6% above this estimate's activations, log-prob chunk and head gradient, with
+# and without checkpointing; tests/integration/test_activation_memory.py checks it again. On GPUs SDPA's
+# flash and memory-efficient kernels keep the same q, k, v, output and log-sum-exp (not measured there).
 LAYER_ACTIVATION_BYTES = {2: (24, 8), 4: (40, 16)}
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
 
