@@ -7,12 +7,15 @@ one micro-batch, fp32 logits over a 150k vocabulary), not to predict the allocat
 - weights, gradients and optimizer state from the parameter count, by dtype and ZeRO stage
   (bf16: 2-byte weights and gradients, fp32 master weights and Adam moments, 12 bytes; fp32: 4 + 4 + 8;
   ZeRO 1 partitions the optimizer state, 2 also the gradients, 3 also the weights);
-- activations of the largest micro-batch: 34 x hidden bytes per token and layer in 16-bit (the
-  estimate of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-  without the attention-score term, which fused attention does not keep), twice that in fp32; with
-  gradient checkpointing, each layer's input (2 x hidden bytes) plus one layer's full activations;
+- activations of the largest micro-batch: what a Hugging Face Llama/Qwen2 layer keeps for backward
+  (LAYER_ACTIVATION_BYTES, counted and measured by benchmarks/activation_memory.py), for every layer; with
+  gradient checkpointing, each layer's input (hidden x the training width) plus one layer's activations,
+  rebuilt while its backward runs;
 - the log-prob chunk: `logits_chunk_tokens` positions x vocabulary x 4 bytes x 4 (fp32 logits, their
-  log-softmax, the entropy's product, the gradient).
+  log-softmax, the entropy's product, the gradient);
+- the LM head's weight gradient in backward, twice (vocabulary x hidden x width each): autograd sums the
+  chunks' gradients in one buffer before they reach the parameter (with tied embeddings, only once the
+  embedding's own has joined them, at the end of backward) while the next chunk's is computed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,23 @@ import math
 from pathlib import Path
 
 GIB = 2**30
+# Bytes a Hugging Face Llama/Qwen2 decoder layer keeps for backward per token, by training width (bytes a
+# value: 2 for bf16, 4 for fp32), as (bytes per hidden unit, bytes per MLP unit). Counted from the tensors
+# autograd saves (SDPA attention, padded micro-batches): each of the two RMSNorms keeps its input upcast
+# to fp32 (4 h) and its normalised and scaled outputs (2 x width x h); attention keeps q, k and v (k and v
+# repeated to every head, as HF does when a padding mask is passed) and its output (4 x width x h); the
+# gated MLP keeps gate, SiLU(gate), up and their product (4 x width x inter). Each layer's SDPA also keeps
+# the padding mask it was passed, as a [rows, 1, L, L] float tensor of its own: L x width bytes a token,
+# L the padded sequence length (layer_activation_bytes adds it). 16-bit: 24 h + 8 inter + 2 L, i.e., the
+# mask aside, 45 h for SmolLM2-135M (inter 2.7 h) and 67-71 h for Qwen2.5-0.5B/1.5B (inter 5.4-5.8 h), not
+# the 34 h Korthikanti et al. give for Megatron's fused kernels; fp32 is 1.8x that, not 2x (the norms'
+# fp32 copies). benchmarks/activation_memory.py measured the real SmolLM2-135M on CPU at 2 x 128 and
+# 2 x 256 tokens (results/activation_memory.json): per-token slopes of 47.0 h per layer in bf16 and
+# 85.8 h in fp32, against 46.7 h and 85.3 h counted here (the rest lies outside the layers), and a
+# forward-and-backward peak 3-6% above this estimate's activations, log-prob chunk and head gradient, with
+# and without checkpointing; tests/integration/test_activation_memory.py checks it again. On GPUs SDPA's
+# flash and memory-efficient kernels keep the same q, k, v, output and log-sum-exp (not measured there).
+LAYER_ACTIVATION_BYTES = {2: (24, 8), 4: (40, 16)}
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
 
 
@@ -48,16 +68,23 @@ def parameter_count(shape: dict) -> int:
     return layers * per_layer + embeddings + h
 
 
+def layer_activation_bytes(shape: dict, width: int, sequence_length: int) -> int:
+    """Bytes one decoder layer keeps for backward per token at a training width of `width` bytes, in rows
+    padded to `sequence_length` tokens (LAYER_ACTIVATION_BYTES, and a row of the padding mask)."""
+    per_hidden, per_inter = LAYER_ACTIVATION_BYTES[width]
+    return per_hidden * shape["hidden_size"] + per_inter * shape["intermediate_size"] + width * sequence_length
+
+
 def trainer_rank_gib(shape: dict, *, world_size: int, zero_stage: int, bf16: bool, micro_batch_tokens: int,
-                     logits_chunk_tokens: int, gradient_checkpointing: bool) -> dict[str, float]:
+                     sequence_length: int, logits_chunk_tokens: int, gradient_checkpointing: bool) -> dict[str, float]:
     """GiB per rank by component (see the module docstring); `micro_batch_tokens`: the largest
-    micro-batch's padded tokens."""
+    micro-batch's padded tokens, in rows of `sequence_length`."""
     params = parameter_count(shape)
     h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     width = 2 if bf16 else 4
     tokens = micro_batch_tokens
-    layer_bytes = 34 * h * tokens * (1 if bf16 else 2)  # one layer's activations
-    activations = (layers * 2 * h * tokens * width + layer_bytes) if gradient_checkpointing else layers * layer_bytes
+    layer_bytes = layer_activation_bytes(shape, width, min(sequence_length, tokens)) * tokens  # one layer's
+    activations = (layers * h * width * tokens + layer_bytes) if gradient_checkpointing else layers * layer_bytes
     chunk = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens
     return {
         "weights": width * params / (world_size if zero_stage == 3 else 1) / GIB,
@@ -65,6 +92,7 @@ def trainer_rank_gib(shape: dict, *, world_size: int, zero_stage: int, bf16: boo
         "optimizer": (12 if bf16 else 8) * params / (world_size if zero_stage >= 1 else 1) / GIB,
         "activations": activations / GIB,
         "logits": chunk * vocab * 4 * 4 / GIB,
+        "head_gradient": 2 * vocab * h * width / GIB,
     }
 
 
@@ -85,7 +113,7 @@ def trainer_memory_problem(cfg, model_path: str) -> str | None:
     tokens = max(train.micro_batch_tokens, longest) if train.micro_batch_tokens else per_rank * longest
     parts = trainer_rank_gib(
         shape, world_size=train.world_size, zero_stage=train.zero_stage, bf16=train.dtype == "bf16",
-        micro_batch_tokens=tokens, logits_chunk_tokens=train.logits_chunk_tokens,
+        micro_batch_tokens=tokens, sequence_length=longest, logits_chunk_tokens=train.logits_chunk_tokens,
         gradient_checkpointing=train.gradient_checkpointing,
     )
     gpu_gib = min(g.gpu_memory_gb for g in groups)
