@@ -205,7 +205,8 @@ def report(run: Run):
             summary = weight_update_summary(loads)
             echo(f"streamrl: {len(loads)} weight updates in flight: pause {summary['job_weight_pause_s_median'] * 1e3:.0f} ms "
                  f"median ({summary['job_weight_pause_s_max'] * 1e3:.0f} ms max); pull + prepare "
-                 f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on")
+                 f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on; "
+                 f"{summary['job_weight_updates_verified']} verified by checksums")
     final = run.run_dir.latest_valid(echo, hashes=False)
     if cfg.tracking.log_model:
         log_final_policy(run.tracker, final, cfg, echo)
@@ -222,7 +223,11 @@ def weight_update_summary(loads: list[dict]) -> dict[str, float]:
     overlapped = np.array([load["pull_s"] + load["prepare_s"] for load in loads])
     return {"job_weight_updates": len(loads), "job_weight_pause_s_median": float(np.median(pause)),
             "job_weight_pause_s_max": float(pause.max()), "job_weight_pause_s_total": float(pause.sum()),
-            "job_weight_pull_prepare_s_median": float(np.median(overlapped))}
+            "job_weight_pull_prepare_s_median": float(np.median(overlapped)),
+            # the weight plane: updates whose checksums the engine compared with the trainer's (all matched:
+            # a mismatch ends the attempt), and the tensors compared
+            "job_weight_updates_verified": int(sum(bool(load.get("verified")) for load in loads)),
+            "job_weight_tensors_checked": int(sum(int(load.get("checked", 0)) for load in loads))}
 
 
 def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:

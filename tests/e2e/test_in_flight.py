@@ -247,6 +247,12 @@ def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_p
     ledger = CheckpointDir.of_run(tmp_path, result.resume_id).latest_valid().ledger()
     check_ledger(ledger, 6, 4, max_staleness)
     spans = int((ledger["policy_version_max"] > ledger["policy_version"]).sum())
+    # the weight plane (rollout.weight_transfer auto = gloo on CPUs): every version applied, the first one
+    # verified by checksums, no bytes through the object store or files (pull and prepare are 0)
+    updates = result.weight_updates.sort_values("version")
+    assert list(updates["version"]) == list(range(1, len(updates) + 1)) and len(updates) >= 4
+    assert updates["verified"].iloc[0] and updates["checked"].iloc[0] > 0
+    assert (updates["pull_s"] == 0).all() and (updates["prepare_s"] == 0).all()
     if max_staleness == 0:
         # nothing can be published while a step's own groups decode: one version per group
         assert spans == 0
