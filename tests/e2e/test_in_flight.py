@@ -247,10 +247,11 @@ def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_p
     ledger = CheckpointDir.of_run(tmp_path, result.resume_id).latest_valid().ledger()
     check_ledger(ledger, 6, 4, max_staleness)
     spans = int((ledger["policy_version_max"] > ledger["policy_version"]).sum())
-    # the weight plane (rollout.weight_transfer auto = gloo on CPUs): every version applied, the first one
-    # verified by checksums, no bytes through the object store or files (pull and prepare are 0)
-    updates = result.weight_updates.sort_values("version")
-    assert list(updates["version"]) == list(range(1, len(updates) + 1)) and len(updates) >= 4
+    # the weight plane (rollout.weight_transfer auto = gloo on CPUs): versions applied in order (one that
+    # arrives while an older one waits replaces it), the first verified by checksums, no bytes through the
+    # object store or files (pull and prepare are 0)
+    updates = result.weight_updates
+    assert updates["version"].is_monotonic_increasing and updates["version"].is_unique and len(updates) >= 3
     assert updates["verified"].iloc[0] and updates["checked"].iloc[0] > 0
     assert (updates["pull_s"] == 0).all() and (updates["prepare_s"] == 0).all()
     if max_staleness == 0:
