@@ -129,13 +129,14 @@ class WeightSender:
 
     `store`: the policy store's actor handle (engines register there; deliveries are recorded there).
     `verify_every`: digests travel with the first update and every n-th after it (0: only the first),
-    and with any update after `verify_next()`. `timeout_s`: the most any transfer wait may take."""
+    with any update after `verify_next()`, and with each engine's first delivery (a restarted one too). `timeout_s`: the most any transfer wait may take."""
 
     def __init__(self, store, timeout_s: float = 300.0, verify_every: int = 0, name: str = "trainer"):
         self.store, self.timeout_s, self.verify_every, self.name = store, float(timeout_s), int(verify_every), name
         self._groups: dict[str, tuple[Endpoint, Any]] = {}
-        self._latest: tuple[int, list[WeightBucket], dict | None] | None = None
-        self._job: tuple[int, list[WeightBucket], dict | None] | None = None
+        self._verified: set[str] = set()  # engines that were sent checksums at least once
+        self._latest: tuple[int, list[WeightBucket], dict] | None = None
+        self._job: tuple[int, list[WeightBucket], dict] | None = None
         self._sent = 0
         self._verify_requested = False
         self._failure: BaseException | None = None
@@ -152,11 +153,11 @@ class WeightSender:
 
     def send(self, version: int, buckets: Iterable[WeightBucket]) -> float:
         """Hand `version`'s buckets to the sender's thread and return once the previous version is out (the
-        seconds waited for it: 0 when the broadcast kept up). Raises the previous transfer's failure."""
+        seconds waited for it: 0 when the broadcast kept up). Raises the previous transfer's failure.
+        Checksums, when this version carries them, are computed on the sender's thread, not here."""
         buckets = list(buckets)
         verify = self._sent == 0 or self._verify_requested or (self.verify_every and self._sent % self.verify_every == 0)
         self._verify_requested = False
-        digests = digests_of(buckets) if verify else None
         start = time.perf_counter()
         with self._cond:
             if not self._cond.wait_for(lambda: self._failure is not None or (self._job is None and not self._busy),
@@ -165,7 +166,7 @@ class WeightSender:
                     f"the weight sender was still sending version {self._latest[0] if self._latest else '?'} after "
                     f"{self.timeout_s:.0f}s (rollout.weight_timeout_s): an engine stopped receiving")
             self._raise_failure()
-            self._job = (version, buckets, digests)
+            self._job = (version, buckets, {"verify": bool(verify)})
             self._sent += 1
             self._cond.notify_all()
         return time.perf_counter() - start
@@ -247,20 +248,27 @@ class WeightSender:
             del self._groups[engine_id]
         return joined
 
-    def _deliver(self, job: tuple[int, list[WeightBucket], dict | None], engine_ids: list[str]) -> None:
-        """Broadcast one version to the given engines' groups at once, then record each delivery."""
+    def _deliver(self, job: tuple[int, list[WeightBucket], dict], engine_ids: list[str]) -> None:
+        """Broadcast one version to the given engines' groups at once, then record each delivery. The
+        version's checksums go to the engines that need them: all of them on a verified version, and any
+        engine's first delivery (a new or restarted engine is always checked once)."""
         import ray
 
-        version, buckets, digests = job
+        version, buckets, flags = job
         engine_ids = list(dict.fromkeys(engine_ids))
         if not engine_ids:
             return
         start = time.perf_counter()
-        header, layout = encode_layout(layout_of(version, buckets, digests))
+        checked = [e for e in engine_ids if flags["verify"] or e not in self._verified]
+        if checked and "digests" not in flags:
+            flags["digests"] = digests_of(buckets)
+        plain, verified = (encode_layout(layout_of(version, buckets, digests))
+                           for digests in (None, flags.get("digests")))
         payload = [bucket_bytes(bucket) for bucket in buckets]
         works = {}
         for engine_id in engine_ids:
             group = self._groups[engine_id][1]
+            header, layout = verified if engine_id in checked else plain
             works[engine_id] = [post_broadcast(group, header, self.timeout_s),
                                 post_broadcast(group, layout, self.timeout_s)]
             works[engine_id] += [post_broadcast(group, tensor, self.timeout_s) for tensor in payload]
@@ -274,8 +282,9 @@ class WeightSender:
                         f"within {self.timeout_s:.0f}s (rollout.weight_timeout_s) or its engine died: {err}"
                     ) from err
         seconds = time.perf_counter() - start
+        self._verified.update(checked)
         for engine_id in engine_ids:
-            ray.get(self.store.delivered.remote(engine_id, version, digests is not None), timeout=self.timeout_s)
+            ray.get(self.store.delivered.remote(engine_id, version, engine_id in checked), timeout=self.timeout_s)
         self.records.append({"version": version, "engines": len(engine_ids), "bytes": sum(b.nbytes for b in buckets),
-                             "broadcast_s": seconds, "verified": digests is not None})
+                             "broadcast_s": seconds, "verified": len(checked)})
         del self.records[:-1000]

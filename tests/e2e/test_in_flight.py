@@ -249,10 +249,11 @@ def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_p
     spans = int((ledger["policy_version_max"] > ledger["policy_version"]).sum())
     # the weight plane (rollout.weight_transfer auto = gloo on CPUs): versions applied in order (one that
     # arrives while an older one waits replaces it), the first verified by checksums, no bytes through the
-    # object store or files (pull and prepare are 0)
+    # object store or files (pull and prepare are 0). (The engine's first delivery carries checksums; it
+    # may apply a newer version instead, so "any", not "the first".)
     updates = result.weight_updates
     assert updates["version"].is_monotonic_increasing and updates["version"].is_unique and len(updates) >= 3
-    assert updates["verified"].iloc[0] and updates["checked"].iloc[0] > 0
+    assert updates["verified"].any() and updates["checked"].max() > 0
     assert (updates["pull_s"] == 0).all() and (updates["prepare_s"] == 0).all()
     if max_staleness == 0:
         # nothing can be published while a step's own groups decode: one version per group

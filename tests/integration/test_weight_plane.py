@@ -79,7 +79,7 @@ def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluste
 
     vocab = weights["lm_head.weight"].shape[0]
     loop = plane_loop(tiny_model_path, store, "engine-a")
-    sender = WeightSender(store, timeout_s=60, verify_every=1)
+    sender = WeightSender(store, timeout_s=60, verify_every=0)  # checksums: the first update, each engine's first
     try:
         (engine_id,) = ray.get(store.engines.remote())
         assert engine_id == loop.engine.engine_id
@@ -99,12 +99,16 @@ def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluste
         assert loop.wait_version(2, timeout_s=60) == 2
         np.testing.assert_allclose(sample_logprobs(loop), before, atol=1e-4)  # the same seeds, the old weights
         assert sender.records[-1]["engines"] == 1 and sender.records[-1]["version"] == 2
+        record = ray.get(store.load_log.remote())[-1]
+        assert record["version"] == 2 and not record["verified"] and record["checked"] == 0
 
         # an engine that joins now gets version 2 from the sender, without a new version being trained
         late = plane_loop(tiny_model_path, store, "engine-b")
         try:
             assert late.wait_version(2, timeout_s=60) == 2
             np.testing.assert_allclose(sample_logprobs(late), before, atol=1e-4)
+            record = [r for r in ray.get(store.load_log.remote()) if r["generator_id"] == "engine-b"][-1]
+            assert record["version"] == 2 and record["verified"]  # its first delivery carried checksums
         finally:
             late.close()
         assert late.engine.engine_id not in ray.get(store.engines.remote())  # it left the plane on close
