@@ -39,3 +39,16 @@ def episode_samples(model_path: str) -> dict:
         masks.append(mask)
         behaviour.append(logprobs[:1] + [0.0, 0.0] + logprobs[1:])  # an observation has no behaviour log-prob
     return {**samples, "response_token_ids": responses, "loss_masks": masks, "behavior_logprobs": behaviour}
+
+
+def model_weights(model_path: str) -> dict:
+    """name -> numpy array of every safetensors file in a model folder (the weights an engine starts from)."""
+    import glob
+    import os
+
+    from safetensors.numpy import load_file
+
+    state = {}
+    for file in glob.glob(os.path.join(model_path, "*.safetensors")):
+        state.update(load_file(file))
+    return state

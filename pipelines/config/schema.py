@@ -810,7 +810,8 @@ class TrainConfig(_Section):
     weight_bucket_mb: float = Field(
         256, gt=0, description="Weights are published to the generators in the training dtype (bf16: 2 bytes a "
         "weight), in buckets of at most this many MB, gathered one module at a time under ZeRO-3; each bucket is "
-        "one object in Ray's object store (operators/weights.py)."
+        "one broadcast on the weight plane, or one object in Ray's object store (rollout.weight_transfer; "
+        "operators/weights.py)."
     )
     ppo_epochs: int = Field(
         1, ge=1, description="Passes over each train step's samples. A policy version still counts train steps "

