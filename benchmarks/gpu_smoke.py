@@ -6,7 +6,8 @@ Made for a bare GPU machine that has torch with CUDA and transformers but no Ray
 weights, per-micro-batch backward, chunked log-probs) and HF engine (`operators.engines.hf`) on a
 random Qwen2-shaped ~0.5B model built here (vocabulary 151936, so the chunked log-probs matter),
 and prints and writes (JSON) per step: generation tokens/s, train step time, the weight load's
-time, peak GPU memory, the train step's MFU, and the first update's ratio pi_theta / pi_behave,
+time over the weight plane's wire (pack to host buckets, gloo broadcast to a receiving thread, load),
+peak GPU memory, the train step's MFU, and the first update's ratio pi_theta / pi_behave,
 which should be ~1 (the engine and the trainer hold the same weights; bf16 rounding aside).
 
     python benchmarks/gpu_smoke.py --out smoke.json                  # on the GPU machine
@@ -35,6 +36,43 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 H100_H200_BF16_FLOPS = 989e12  # dense bf16 peak of one H100/H200 SXM, for MFU
+
+
+class LoopbackPlane:
+    """The weight plane's wire in one process: a gloo group of two (this thread sends as the trainer's rank 0,
+    a thread receives as an engine would, operators/engines/gloo_transfer.py) over a local TCP store."""
+
+    def __init__(self, timeout_s: float = 120.0):
+        import threading
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        from operators.weight_plane import open_group
+
+        self.timeout_s = timeout_s
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        joined = {}
+        peer = threading.Thread(target=lambda: joined.setdefault("group", open_group(
+            "127.0.0.1", self.store.port, 1, 2, timeout_s)))
+        peer.start()
+        self.group = open_group("127.0.0.1", self.store.port, 0, 2, timeout_s)
+        peer.join()
+        self.peer = joined["group"]
+
+    def send(self, version: int, buckets: list) -> list:
+        """Broadcast `buckets` and return what the receiving side got."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from operators.weight_plane import bucket_bytes, encode_layout, layout_of, post_version, receive_version
+
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(receive_version, self.peer, self.timeout_s, self.timeout_s)
+            header, layout = encode_layout(layout_of(version, buckets, None))
+            for work in post_version(self.group, header, layout, [bucket_bytes(b) for b in buckets], self.timeout_s):
+                work.wait()
+            _, _, received = got.result(self.timeout_s)
+        return received
 
 
 def build(folder: Path, shape: dict) -> Path:
@@ -89,6 +127,7 @@ def main() -> None:
         lr_schedule=LrSchedule(warmup_steps=0),
     )
     trainer = TrainWorker(0, 1, free_port(), settings, None)  # NCCL on CUDA, gloo on CPU (operators.devices)
+    plane = LoopbackPlane()
     engine = HFEngine(str(folder))
     params = sum(p.numel() for p in trainer.engine.module.parameters())
     rng = np.random.default_rng(0)
@@ -124,18 +163,26 @@ def main() -> None:
             torch.cuda.synchronize()
         train_s = time.perf_counter() - start
         start = time.perf_counter()
-        # the weight channel's buckets in the training dtype (bf16), as rank 0 publishes them (without Ray here)
-        engine.load_weights(WeightSet(trainer.weight_buckets()))
+        # the weight plane's wire (operators/weight_plane.py), as far as this machine allows (no Ray, no vLLM):
+        # rank 0's buckets in the training dtype (bf16, device to host), broadcast over a gloo group to a
+        # receiving thread, then loaded into the HF engine (host to device)
+        buckets = list(trainer.weight_buckets())
+        packed = time.perf_counter()
+        received = plane.send(step + 1, buckets)
+        sent = time.perf_counter()
+        engine.load_weights(WeightSet(received))
         if cuda:
             torch.cuda.synchronize()
         load_s = time.perf_counter() - start
+        plane_s = {"pack_s": packed - start, "broadcast_s": sent - packed, "apply_s": time.perf_counter() - sent}
         trained = generated + 32 * len(responses)
         row = {
             "step": step, "responses": len(responses), "generated_tokens": generated,
             "generate_tokens_per_s": generated / generate_s, "generate_s": generate_s,
             "train_s": train_s, "train_tokens_per_s": trained / train_s,
             "mfu": 6 * params * trained / train_s / H100_H200_BF16_FLOPS if cuda else None,
-            "weight_load_s": load_s, "micro_batches": result["micro_batches"],
+            "weight_load_s": load_s, **{f"weight_{k}": v for k, v in plane_s.items()},
+            "micro_batches": result["micro_batches"],
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "policy_loss": result["policy_loss"], "grad_norm": result["grad_norm"],
             "ratio_behavior_min": result.get("ratio_behavior_min"), "ratio_behavior_max": result.get("ratio_behavior_max"),

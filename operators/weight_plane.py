@@ -43,7 +43,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from operators.weights import WeightBucket
+from operators.weights import DTYPES, WeightBucket
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,35 @@ def encode_layout(layout: dict):
     raw = json.dumps(layout, separators=(",", ":")).encode()
     header = torch.tensor([int(layout["version"]), len(raw)], dtype=torch.int64)
     return header, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def post_version(group, header, layout, payload: list, timeout_s: float) -> list:
+    """Start sending one version on `group` (rank 0): its header, layout and buckets. The Works, in order."""
+    return ([post_broadcast(group, header, timeout_s), post_broadcast(group, layout, timeout_s)]
+            + [post_broadcast(group, tensor, timeout_s) for tensor in payload])
+
+
+def receive_version(group, timeout_s: float, idle_s: float = IDLE_WAIT_S, on_layout=None):
+    """Receive one version on `group` (a receiving rank): (version, layout, buckets). Waits up to `idle_s` for
+    the header (the next version may be a train step away) and `timeout_s` for each part after it.
+    `on_layout(version)`: called between the layout and the buckets (a fault point)."""
+    import torch
+
+    header = torch.zeros(2, dtype=torch.int64)
+    post_broadcast(group, header, idle_s).wait()
+    version, size = int(header[0]), int(header[1])
+    raw = torch.zeros(size, dtype=torch.uint8)
+    post_broadcast(group, raw, timeout_s).wait()
+    layout = json.loads(raw.numpy().tobytes())
+    if on_layout is not None:
+        on_layout(version)
+    buckets = []
+    for spec in layout["buckets"]:
+        data = torch.empty(int(spec["nbytes"]), dtype=torch.uint8)
+        post_broadcast(group, data, timeout_s).wait()
+        buckets.append(WeightBucket(spec["dtype"], list(spec["names"]), [tuple(s) for s in spec["shapes"]],
+                                    data.numpy().view(DTYPES[spec["dtype"]][1])))
+    return version, layout, buckets
 
 
 class WeightSender:
@@ -269,9 +298,7 @@ class WeightSender:
         for engine_id in engine_ids:
             group = self._groups[engine_id][1]
             header, layout = verified if engine_id in checked else plain
-            works[engine_id] = [post_broadcast(group, header, self.timeout_s),
-                                post_broadcast(group, layout, self.timeout_s)]
-            works[engine_id] += [post_broadcast(group, tensor, self.timeout_s) for tensor in payload]
+            works[engine_id] = post_version(group, header, layout, payload, self.timeout_s)
         for engine_id, pending in works.items():
             for what, work in zip(["header", "layout"] + [f"bucket {i}" for i in range(len(payload))], pending):
                 try:

@@ -22,7 +22,6 @@ worker extension) says what was checked.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -36,8 +35,8 @@ from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from operators.faults import FaultPoints
-from operators.weight_plane import IDLE_WAIT_S, open_group, post_broadcast
-from operators.weights import DTYPES, WeightBucket, WeightSet
+from operators.weight_plane import open_group, receive_version
+from operators.weights import WeightBucket, WeightSet
 
 logger = logging.getLogger(__name__)
 
@@ -143,21 +142,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         try:
             group = open_group(info.host, info.port, rank, info.world_size, info.timeout_s)
             while not self._stop:
-                header = torch.zeros(2, dtype=torch.int64)
-                post_broadcast(group, header, IDLE_WAIT_S).wait()
-                version, size = int(header[0]), int(header[1])
-                raw = torch.zeros(size, dtype=torch.uint8)
-                post_broadcast(group, raw, info.timeout_s).wait()
-                layout = json.loads(raw.numpy().tobytes())
-                # the generate actor is the parent of the engine core, where this worker runs
-                faults.reach("weights_receiving", version=version, engine_id=info.engine_id, actor_pid=os.getppid())
-                buckets = []
-                for spec in layout["buckets"]:
-                    data = torch.empty(int(spec["nbytes"]), dtype=torch.uint8)
-                    post_broadcast(group, data, info.timeout_s).wait()
-                    buckets.append(WeightBucket(spec["dtype"], list(spec["names"]),
-                                                [tuple(s) for s in spec["shapes"]],
-                                                data.numpy().view(DTYPES[spec["dtype"]][1])))
+                version, layout, buckets = receive_version(group, info.timeout_s, on_layout=lambda v: faults.reach(
+                    # the generate actor is the parent of the engine core, where this worker runs
+                    "weights_receiving", version=v, engine_id=info.engine_id, actor_pid=os.getppid()))
                 digests = layout.get("digests")
                 bad = transport_mismatches(buckets, digests) if digests else []
                 self._dtypes = {name: b.dtype for b in buckets for name in b.names}
