@@ -90,13 +90,20 @@ class TrainWorker(StateIO):
         self.version = 0
 
     def _build_model(self, settings: TrainerSettings):
-        """The module this rank trains (fp32); a subclass may put another head on the backbone."""
+        """The module this rank trains, in the training dtype; a subclass may put another head on the backbone."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
-            settings.model_path, local_files_only=True, dtype=self.torch.float32,
+            settings.model_path, local_files_only=True, dtype=self.module_dtype(),
             trust_remote_code=settings.trust_remote_code,
         )
+
+    def module_dtype(self):
+        """The dtype the module is loaded in: the training dtype. Under bf16 DeepSpeed computes in a bf16
+        module and keeps the fp32 master weights in its optimizer (cast from the module's bf16 weights), so
+        loading in bf16 gives the same masters without a whole fp32 model on every rank first (ZeRO 1-2;
+        ZeRO-3 builds the model partitioned, in the config's dtype, either way)."""
+        return self.torch.bfloat16 if self.settings.dtype == "bf16" else self.torch.float32
 
     def ready(self) -> dict:
         """Where this rank runs (tests check placement)."""

@@ -274,6 +274,34 @@ def test_bf16_step_matches_fp32_within_bf16_precision(tiny_model_path):
         assert np.abs(bf16_update).mean() > 0.5 * lr, name  # and it is an update (Adam's first step ~ lr)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_rank_loads_and_exports_in_the_training_dtype(tiny_model_path, tmp_path, dtype):
+    """ZeRO-2: the rank loads the model in the training dtype (no fp32 copy of a bf16 run's model on every rank;
+    DeepSpeed keeps the fp32 masters in its optimizer) and the HF export writes the trained module's weights
+    in that dtype, its config saying the same; fp32 exports exactly the fp32 weights, as before."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    expected, name_of = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}[dtype]
+    samples = explode(step_samples(tiny_model_path))
+    _, weights, worker = _step(tiny_model_path, samples, "train.zero_stage=2", f"train.dtype={dtype}")
+    module = worker.engine.module
+    assert module.config.dtype == expected  # from_pretrained's dtype (DeepSpeed's own cast would leave float32 here)
+    assert {p.dtype for p in module.parameters()} == {expected}
+    worker.save_pretrained(str(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        exported = {name: stored.get_tensor(name) for name in stored.keys()}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == name_of
+    assert exported.keys() == dict(module.named_parameters()).keys()
+    for name, param in module.named_parameters():
+        assert exported[name].dtype == expected and torch.equal(exported[name], param.detach()), name
+        if dtype == "fp32":
+            np.testing.assert_array_equal(exported[name].numpy(), weights[name], err_msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True, dtype="auto")
+    assert {p.dtype for p in reloaded.parameters()} == {expected}
+
+
 def test_shards_are_balanced_by_tokens():
     from operators.algorithms.batching import balanced_shards
 
