@@ -43,30 +43,34 @@ def head_projection(head):
     return functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
 
 
-def chunked_logprobs(hidden, head, targets, temperature: float, chunk_tokens: int, entropy_grad: bool = False):
-    """Log-probs [B, T] of `targets` [B, T] and the entropy [B, T] of each position's distribution, from the
-    final hidden states [B, T, H] through `head` (head_projection), at most `chunk_tokens` positions
-    (rows x positions) at a time."""
+def chunked_logprobs(hidden, head, targets, temperature: float, chunk_tokens: int, entropy_grad: bool = False,
+                     with_entropy: bool = True):
+    """Log-probs [B, T] of `targets` [B, T] and the entropy [B, T] of each position's distribution (None
+    without `with_entropy`), from the final hidden states [B, T, H] through `head` (head_projection), at
+    most `chunk_tokens` positions (rows x positions) at a time."""
     positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
-    return chunked_token_logprobs(hidden, head_projection(head), targets, temperature, positions, entropy_grad)
+    return chunked_token_logprobs(hidden, head_projection(head), targets, temperature, positions, entropy_grad,
+                                  with_entropy)
 
 
-def next_token_logprobs(model, input_ids, attention, temperature: float, chunk_tokens: int, position_ids=None):
-    """Without a graph: log-probs [B, L-1] of each next token of `input_ids` [B, L] under `model` (a Hugging
-    Face causal LM), of softmax(logits / temperature). With `chunk_tokens` (> 0) and a plain head
-    (chunkable_head), the backbone's last hidden state [B, L, H] is all the model returns and the head runs
-    chunk by chunk; otherwise (or when the batch is no larger than a chunk) the full logits are taken."""
+def next_token_logprobs(model, input_ids, attention, temperature: float, chunk_tokens: int, position_ids=None,
+                        start: int = 0):
+    """Without a graph: log-probs [B, L-1-start] of the tokens of `input_ids` [B, L] from position start + 1 on
+    (the ones before are context only) under `model` (a Hugging Face causal LM), of softmax(logits /
+    temperature). With `chunk_tokens` (> 0) and a plain head (chunkable_head), the backbone's last hidden
+    state [B, L, H] is all the model returns and the head runs on at most `chunk_tokens` positions (rows x
+    positions) at a time; otherwise (or when the batch is no larger than a chunk) the full logits are taken."""
     import torch
 
     inputs = {"input_ids": input_ids, "attention_mask": attention}
     if position_ids is not None:
         inputs["position_ids"] = position_ids
-    targets = input_ids[:, 1:]  # [B, L-1]
+    targets = input_ids[:, start + 1:]  # [B, L-1-start]
     head = chunkable_head(model) if chunk_tokens and targets.numel() > chunk_tokens else None
     backbone = getattr(model, "base_model", model)
     with torch.no_grad():
         if head is None or backbone is model:
-            logits = model(**inputs).logits[:, :-1].float() / temperature  # [B, L-1, V]
+            logits = model(**inputs).logits[:, start:-1].float() / temperature  # [B, L-1-start, V]
             return token_logprobs(logits, targets)
-        hidden = backbone(**inputs).last_hidden_state[:, :-1]  # [B, L-1, H], the state the head reads
-        return chunked_logprobs(hidden, head, targets, temperature, chunk_tokens)[0]
+        hidden = backbone(**inputs).last_hidden_state[:, start:-1]  # [B, L-1-start, H], the state the head reads
+        return chunked_logprobs(hidden, head, targets, temperature, chunk_tokens, with_entropy=False)[0]
