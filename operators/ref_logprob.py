@@ -12,8 +12,10 @@ response, as Generate writes them); output adds `ref_logprobs` (one list of floa
 response, aligned with its tokens). Log-probs are of softmax(logits / temperature), as the
 engines and the trainer compute them, so the three agree at temperature != 1. The model is
 loaded once per actor, on the GPU Ray gave the actor if any, and never trained; sequences
-are scored in length-sorted chunks of at most `micro_batch_tokens` padded tokens. All other
-columns pass through.
+are scored in length-sorted chunks of at most `micro_batch_tokens` padded tokens, and within a
+chunk the LM head runs on at most `logits_chunk_tokens` positions at a time, as in the trainer
+(operators/logprobs.py), so the [B, L, V] logits are never held at once. All other columns pass
+through.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from operators.algorithms.batching import length_sorted_chunks
 class RefLogprob:
     def __init__(
         self, model_path: str, temperature: float = 1.0, micro_batch_tokens: int = 4096, torch_threads: int = 1,
-        dtype: str = "float32", trust_remote_code: bool = False,
+        dtype: str = "float32", trust_remote_code: bool = False, logits_chunk_tokens: int = 2048,
     ):
         import torch
         from transformers import AutoModelForCausalLM
@@ -48,6 +50,7 @@ class RefLogprob:
         self.pad_id = self.model.config.pad_token_id or 0
         self.temperature = float(temperature)
         self.micro_batch_tokens = int(micro_batch_tokens)
+        self.logits_chunk_tokens = int(logits_chunk_tokens)  # 0: the full logits at once
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         start = time.perf_counter()
@@ -72,7 +75,7 @@ class RefLogprob:
         return out
 
     def _score_chunk(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        from operators.algorithms.losses import token_logprobs
+        from operators.logprobs import next_token_logprobs
 
         torch = self.torch
         width = max(len(p) + len(r) for p, r in sequences)
@@ -82,9 +85,10 @@ class RefLogprob:
             input_ids[row, :len(prompt) + len(response)] = torch.tensor(prompt + response)
             attention[row, :len(prompt) + len(response)] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        with torch.no_grad():
-            logits = self.model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]  # [B, L-1, V]
-            logprobs = token_logprobs(logits.float() / self.temperature, input_ids[:, 1:]).cpu()  # [B, L-1]
+        start = min(len(p) for p, _ in sequences) - 1  # no response token before start + 1
+        logprobs = next_token_logprobs(self.model, input_ids, attention, self.temperature, self.logits_chunk_tokens,
+                                       start=start).cpu()  # [B, L-1-start]
         # Position p predicts token p + 1: a response starting at len(prompt) is read from len(prompt) - 1.
-        return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
+        return [logprobs[row, len(p) - 1 - start:len(p) - 1 - start + len(r)].tolist()
+                for row, (p, r) in enumerate(sequences)]
 

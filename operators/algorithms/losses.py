@@ -48,8 +48,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def chunked_token_logprobs(
     hidden: torch.Tensor, head, tokens: torch.Tensor, temperature: float, chunk_positions: int,
-    entropy_grad: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    entropy_grad: bool = False, with_entropy: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the chosen tokens and the entropy at each position, from the final hidden states,
     `chunk_positions` positions at a time; hidden [B, T, H], tokens [B, T] -> ([B, T], [B, T]) fp32.
 
@@ -57,11 +57,14 @@ def chunked_token_logprobs(
     at a time: under autograd each chunk is checkpointed (its logits are recomputed in backward from
     the chunk's hidden states instead of being kept), so the memory of a long sequence over a large
     vocabulary is B x C x V, not B x T x V. The entropy carries a gradient only when `entropy_grad`
-    (an entropy bonus in the loss); otherwise it is a metric, computed without a graph."""
+    (an entropy bonus in the loss); otherwise it is a metric, computed without a graph. Without
+    `with_entropy` it is not computed (None): scoring alone skips its [B, C, V] temporaries."""
 
-    def chunk(h: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         logits = head(h).float() / temperature  # [B, C, V]
         logprobs = token_logprobs(logits, t)  # [B, C]
+        if not with_entropy:
+            return logprobs, None
         if entropy_grad:
             return logprobs, entropy_from_logits(logits)
         with torch.no_grad():
@@ -75,7 +78,7 @@ def chunked_token_logprobs(
         h, t = hidden[:, start:start + chunk_positions], tokens[:, start:start + chunk_positions]
         parts.append(checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t))
     logprobs, entropy = zip(*parts)
-    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1)  # [B, T] each
+    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None  # [B, T] each
 
 
 # A log-ratio beyond this is clamped before exp: e^20 ~ 5e8 is far past any clip or cap, and an

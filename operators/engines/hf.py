@@ -1,4 +1,9 @@
-"""Hugging Face `generate` as a rollout engine: the fallback that runs anywhere torch does."""
+"""Hugging Face `generate` as a rollout engine: the fallback that runs anywhere torch does.
+
+The behaviour log-probs, log_softmax(logits / T) of each sampled token (untruncated by top-p), are scored
+after generation in one forward over prompt + response, the LM head running on at most
+`logits_chunk_tokens` positions at a time (operators/logprobs.py, as the trainer and the reference model
+do): neither generate's per-step logits nor the [B*n, T, V] log-softmax are ever held."""
 
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from operators.devices import local_device
 from operators.engines.base import GroupSample, SamplingParams
+from operators.logprobs import next_token_logprobs
 from operators.prompts import cut_at_stop, stop_token_ids
 from operators.weights import as_weight_set
 
 
 class HFEngine:
-    def __init__(self, model_path: str, trust_remote_code: bool = False, torch_threads: int | None = None):
+    def __init__(self, model_path: str, trust_remote_code: bool = False, torch_threads: int | None = None,
+                 logits_chunk_tokens: int = 2048):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -30,6 +37,7 @@ class HFEngine:
         self.eos_id = self.tokenizer.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)  # the generation config's EOS ids too
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.logits_chunk_tokens = logits_chunk_tokens  # 0: the full logits at once
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
@@ -50,13 +58,9 @@ class HFEngine:
             num_return_sequences=params.n,
             eos_token_id=list(self.stop_ids) or None,
             pad_token_id=self.pad_id,
-            return_dict_in_generate=True,
-            output_logits=True,
         )
-        new_tokens = out.sequences[:, padded["input_ids"].shape[1]:]  # [B*n, T]
-        logits = torch.stack(out.logits, dim=1).float() / (params.temperature or 1.0)  # [B*n, T, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1).cpu()  # [B*n, T]
-        new_tokens = new_tokens.cpu()
+        logprobs = self._logprobs(out, padded["attention_mask"].to(self.device), params).cpu()  # [B*n, T]
+        new_tokens = out[:, padded["input_ids"].shape[1]:].cpu()  # [B*n, T]
         groups = []
         for prompt_index in range(len(prompt_token_ids)):
             group = GroupSample()
@@ -68,6 +72,16 @@ class HFEngine:
                 group.texts.append(self.tokenizer.decode(tokens[:length], skip_special_tokens=True))
             groups.append(group)
         return groups
+
+    def _logprobs(self, sequences: torch.Tensor, prompt_attention: torch.Tensor, params: SamplingParams):
+        """log_softmax(logits / T) [B*n, T] of the generated tokens of `sequences` [B*n, P+T] (left-padded
+        prompts [B, P], each repeated n times, then the generated tokens), at the positions generate used."""
+        width = prompt_attention.shape[1]
+        attention = torch.cat([prompt_attention.repeat_interleave(params.n, dim=0),
+                               torch.ones_like(sequences[:, width:])], dim=1)  # [B*n, P+T]
+        positions = (attention.cumsum(-1) - 1).clamp_min(0)  # [B*n, P+T], as generate numbers a left-padded row
+        return next_token_logprobs(self.model, sequences, attention, params.temperature or 1.0,
+                                   self.logits_chunk_tokens, position_ids=positions, start=width - 1)
 
     def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
         # views of the buckets (read-only object-store buffers): load_state_dict copies and casts them

@@ -1,16 +1,13 @@
 """How a trainer rank comes up: the rendezvous with the other ranks, DeepSpeed's config, the model under
-ZeRO-3's partitioned init, the engine (optimizer, LR schedule) and the pieces the step needs from the
-model (the LM head for chunked log-probs, glibc's malloc_trim on a CPU rank).
+ZeRO-3's partitioned init, the engine (optimizer, LR schedule) and glibc's malloc_trim on a CPU rank.
 
 Plumbing only: no algorithm is decided here. operators/workers/train_worker.py calls these in order.
 """
 
 from __future__ import annotations
 
-import socket
-
-import inspect
 import os
+import socket
 
 from operators.devices import dist_backend
 from operators.workers.settings import TrainerSettings
@@ -89,17 +86,6 @@ def build_engine(torch, deepspeed, model, settings: TrainerSettings, config: dic
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.factor(step))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
-
-
-def chunkable_head(model):
-    """The LM head when log-probs can be computed from the final hidden states chunk by chunk, else None
-    (then the trainer takes the model's full logits): the model must accept `logits_to_keep` and its
-    logits must be the plain head of the last hidden state (no soft-capping or logit scale)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = model.config
-    plain = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
-    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return head if head is not None and plain and takes_keep else None
 
 
 def libc_malloc_trim():

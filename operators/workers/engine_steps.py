@@ -1,5 +1,5 @@
-"""The DeepSpeed engine's side of a train step: the optimizer step and its gradient norm, and the NaN
-protocol (every rank agrees that a loss is finite before its backward; the gradients of an optimizer step
+"""The DeepSpeed engine's side of a train step: the LM head gathered once per micro-batch under ZeRO-3, the
+optimizer step and its gradient norm, and the NaN protocol (every rank agrees that a loss is finite before its backward; the gradients of an optimizer step
 that will not be taken are dropped; a job told to stop gets a NonFiniteError).
 
 Plumbing only: operators/workers/train_worker.py decides when each is called.
@@ -7,9 +7,24 @@ Plumbing only: operators/workers/train_worker.py decides when each is called.
 
 from __future__ import annotations
 
+import contextlib
+
 
 class NonFiniteError(RuntimeError):
     """The loss or the weights became NaN/inf and the job must stop (nothing was published)."""
+
+
+def gathered_head(deepspeed, head, zero_stage: int):
+    """A context in which the LM head's parameters are whole: under ZeRO-3 they are gathered when it is
+    entered and partitioned again when it exits (deepspeed.zero.GatheredParameters); otherwise nothing.
+
+    The trainer holds it from the chunked log-probs of a micro-batch until that micro-batch's backward is
+    done: every chunk, every recompute of a chunk in backward and the head's gradient use the one gather
+    (a gradient reaches a ZeRO-3 parameter only while it is whole; DeepSpeed reduces it to the shards as
+    it arrives). Calling the head module per chunk instead gathers it per chunk and per recompute."""
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters([p for p in head.parameters()])
 
 
 def finite_everywhere(torch, loss, device, world_size: int) -> bool:

@@ -25,7 +25,7 @@ class StateIO:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full fp32 weights as numpy arrays, on every rank (ZeRO-3: every rank must call it)."""
-        return self._full_state_dict(everywhere=True)
+        return self._full_state_dict(everywhere=True, as_numpy=True)
 
     def _named_weights(self):
         """(name, tensor) for every state-dict entry, one module at a time; under ZeRO-3 each module's
@@ -35,11 +35,16 @@ class StateIO:
         gathered = self.deepspeed.zero.GatheredParameters if self.settings.zero_stage == 3 else None
         return named_weights(self.engine.module, gathered)
 
-    def _full_state_dict(self, everywhere: bool = False) -> dict[str, np.ndarray]:
-        """Full fp32 weights as numpy arrays (ZeRO-3: gathered module by module, and every rank must call
-        it; ranks other than 0 get {} unless `everywhere`)."""
+    def _full_state_dict(self, everywhere: bool = False, as_numpy: bool = False) -> dict:
+        """Full weights, each a CPU copy in the module's dtype (the training dtype: bf16 under train.dtype bf16),
+        or with `as_numpy` an fp32 numpy array (numpy has no bf16). ZeRO-3: gathered module by module, and
+        every rank must call it; ranks other than 0 get {} unless `everywhere`."""
         keep = everywhere or self.rank == 0 or self.settings.zero_stage != 3
-        return {name: tensor.float().cpu().numpy().copy() for name, tensor in self._named_weights() if keep}
+
+        def copy(tensor):
+            return tensor.float().cpu().numpy().copy() if as_numpy else tensor.detach().to("cpu", copy=True)
+
+        return {name: copy(tensor) for name, tensor in self._named_weights() if keep}
 
     def weight_buckets(self):
         """The weights in the training dtype (the module's: bf16 under train.dtype bf16), bucketed."""
@@ -143,12 +148,13 @@ class StateIO:
         random.setstate((version, tuple(internal), gauss))
 
     def save_pretrained(self, path: str, tokenizer: bool = False) -> str | None:
-        """Write an HF checkpoint (rank 0 writes; every rank must call it under ZeRO-3), with the
-        model folder's tokenizer when `tokenizer` (so the folder loads with from_pretrained / vLLM)."""
+        """Write an HF checkpoint in the training dtype (the module's: its config's dtype says the same), rank 0
+        writes; every rank must call it under ZeRO-3. With the model folder's tokenizer when `tokenizer` (so
+        the folder loads with from_pretrained / vLLM)."""
         state = self._full_state_dict()  # every rank under ZeRO-3 (collective); {} except on rank 0
         if self.rank != 0:
             return None
-        self.engine.module.save_pretrained(path, state_dict={k: self.torch.from_numpy(v) for k, v in state.items()})
+        self.engine.module.save_pretrained(path, state_dict=state)
         if tokenizer:
             from transformers import AutoTokenizer
 

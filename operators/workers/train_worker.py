@@ -17,25 +17,32 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
 from operators.algorithms.batching import TokenBatch, split_to_count, token_batch, trained_tokens
 from operators.algorithms.correction import mismatch_sums
 from operators.algorithms.loss_composition import StatSums, add_policy_stats, policy_token_loss, rank_aggregate
-from operators.algorithms.losses import chunked_token_logprobs, entropy_from_logits, token_logprobs
+from operators.algorithms.losses import entropy_from_logits, token_logprobs
 from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts, subset
 from operators.devices import local_device
+from operators.logprobs import chunkable_head, chunked_logprobs
 from operators.workers.deepspeed_setup import (
     build_engine,
-    chunkable_head,
     deepspeed_config,
     libc_malloc_trim,
     rendezvous_env,
     start_deepspeed,
     zero3_init,
 )
-from operators.workers.engine_steps import NonFiniteError, discard_gradients, finite_everywhere, optimizer_step
+from operators.workers.engine_steps import (
+    NonFiniteError,
+    discard_gradients,
+    finite_everywhere,
+    gathered_head,
+    optimizer_step,
+)
 from operators.workers.settings import TrainerSettings
 from operators.workers.state_io import StateIO
 
@@ -83,13 +90,20 @@ class TrainWorker(StateIO):
         self.version = 0
 
     def _build_model(self, settings: TrainerSettings):
-        """The module this rank trains (fp32); a subclass may put another head on the backbone."""
+        """The module this rank trains, in the training dtype; a subclass may put another head on the backbone."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
-            settings.model_path, local_files_only=True, dtype=self.torch.float32,
+            settings.model_path, local_files_only=True, dtype=self.module_dtype(),
             trust_remote_code=settings.trust_remote_code,
         )
+
+    def module_dtype(self):
+        """The dtype the module is loaded in: the training dtype. Under bf16 DeepSpeed computes in a bf16
+        module and keeps the fp32 master weights in its optimizer (cast from the module's bf16 weights), so
+        loading in bf16 gives the same masters without a whole fp32 model on every rank first (ZeRO 1-2;
+        ZeRO-3 builds the model partitioned, in the config's dtype, either way)."""
+        return self.torch.bfloat16 if self.settings.dtype == "bf16" else self.torch.float32
 
     def ready(self) -> dict:
         """Where this rank runs (tests check placement)."""
@@ -218,36 +232,42 @@ class TrainWorker(StateIO):
         batch weighs each micro-batch by its share of them, so ranks of unequal size still add up)."""
         settings = self.settings
         for indices, batch, last in self._micro_batch_tensors(part):
-            mask = batch.mask  # [B, L-1]
-            behavior, advantages = batch.require("behavior_logprobs", "advantages")  # [B, L-1] each
-            logprobs, entropy = self._forward(batch, entropy_grad=bool(settings.entropy_coef))  # [B, L-1] each
-            # algorithm: pi_prox: fixed before the first of several updates, else the current policy (no extra forward).
-            proximal = batch.proximal_logprobs if batch.proximal_logprobs is not None else logprobs.detach()  # [B, L-1]
-            # algorithm: policy loss x mismatch correction - entropy bonus + KL to the reference (loss_composition.py)
-            per_token_loss, loss_stats, (log_rho, truncated, masked) = policy_token_loss(
-                settings, logprobs, entropy, behavior, advantages, mask, proximal, batch.ref_logprobs)
-            # algorithm: aggregate so that micro-batches add up and ranks average to the global aggregate
-            part_valid = sum(1 for i in indices if trained_tokens(part, i))
-            loss = rank_aggregate(settings.loss_aggregation, per_token_loss, mask, global_tokens, global_sequences,
-                                  self.world_size, settings.max_new_tokens,
-                                  share=part_valid * self.world_size / max(valid_sequences, 1))
-            if not indices:  # plumbing: a pass that pairs up with another rank's, of zero weight
-                yield loss * 0.0, last
-                continue
-            # plumbing: statistics
-            if first_epoch:  # pi_prox is fixed for the step: measure the mismatch once per sample
-                mismatch.append(mismatch_sums(log_rho, mask, batch.staleness, truncated, masked))
-            add_policy_stats(loss_stats, logprobs, entropy, behavior, mask)
-            stats.add(loss_stats, float(mask.sum().item()))
-            yield loss, last
+            # plumbing: open until this micro-batch's backward is done (under ZeRO-3 the LM head stays gathered)
+            with self._logprobs(batch, entropy_grad=bool(settings.entropy_coef)) as (logprobs, entropy):  # [B, L-1] each
+                mask = batch.mask  # [B, L-1]
+                behavior, advantages = batch.require("behavior_logprobs", "advantages")  # [B, L-1] each
+                # algorithm: pi_prox: fixed before the first of several updates, else the current policy (no extra forward).
+                proximal = batch.proximal_logprobs if batch.proximal_logprobs is not None else logprobs.detach()  # [B, L-1]
+                # algorithm: policy loss x mismatch correction - entropy bonus + KL to the reference (loss_composition.py)
+                per_token_loss, loss_stats, (log_rho, truncated, masked) = policy_token_loss(
+                    settings, logprobs, entropy, behavior, advantages, mask, proximal, batch.ref_logprobs)
+                # algorithm: aggregate so that micro-batches add up and ranks average to the global aggregate
+                part_valid = sum(1 for i in indices if trained_tokens(part, i))
+                loss = rank_aggregate(settings.loss_aggregation, per_token_loss, mask, global_tokens, global_sequences,
+                                      self.world_size, settings.max_new_tokens,
+                                      share=part_valid * self.world_size / max(valid_sequences, 1))
+                if not indices:  # plumbing: a pass that pairs up with another rank's, of zero weight
+                    yield loss * 0.0, last
+                    continue
+                # plumbing: statistics
+                if first_epoch:  # pi_prox is fixed for the step: measure the mismatch once per sample
+                    mismatch.append(mismatch_sums(log_rho, mask, batch.staleness, truncated, masked))
+                add_policy_stats(loss_stats, logprobs, entropy, behavior, mask)
+                stats.add(loss_stats, float(mask.sum().item()))
+                yield loss, last
 
-    def _forward(self, batch: TokenBatch, entropy_grad: bool = False):
-        """Log-probs [B, L-1] of the batch's tokens under the trainer, at the sampling temperature, and
-        the entropy [B, L-1] of each next-token distribution (with a graph only when `entropy_grad`).
+    @contextmanager
+    def _logprobs(self, batch: TokenBatch, entropy_grad: bool = False):
+        """A context that gives the log-probs [B, L-1] of the batch's tokens under the trainer, at the
+        sampling temperature, and the entropy [B, L-1] of each next-token distribution (with a graph only
+        when `entropy_grad`). The backward of a loss computed from them runs inside it.
 
         With `logits_chunk_tokens` set, the model returns its final hidden states (and the logits of one
         position only) and the log-probs are computed from them in chunks that are recomputed in backward
-        (operators.algorithms.losses.chunked_token_logprobs): the fp32 [B, L, V] logits are never held at once."""
+        (operators/logprobs.py: chunked_logprobs): the fp32 [B, L, V] logits are never held at once. Under
+        ZeRO-3 the LM head is gathered once for the chunks, their recomputes and its gradient, and stays
+        gathered until the context exits (engine_steps.gathered_head); the model's own forward fetches it
+        once more for the one position it computes."""
         torch, temperature, chunk = self.torch, self.settings.temperature, self.settings.logits_chunk_tokens
         ids, attention = batch.input_ids, batch.attention
         targets = ids[:, 1:]  # [B, L-1]
@@ -255,15 +275,17 @@ class TrainWorker(StateIO):
         if self._lm_head is not None and chunk and rows * positions > chunk:  # plumbing: memory, same numbers
             out = self.engine(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H]: the last layer's (normed) state before each token
-            return chunked_token_logprobs(hidden, self._lm_head, targets, temperature, max(1, chunk // rows),
-                                          entropy_grad)
+            with gathered_head(self.deepspeed, self._lm_head, self.settings.zero_stage):
+                yield chunked_logprobs(hidden, self._lm_head, targets, temperature, chunk, entropy_grad)
+            return
         # algorithm: log pi_theta at the sampling temperature
         logits = self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature  # [B, L-1, V]
         if entropy_grad:
-            return token_logprobs(logits, targets), entropy_from_logits(logits)
+            yield token_logprobs(logits, targets), entropy_from_logits(logits)
+            return
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())  # [B, L-1], a metric only
-        return token_logprobs(logits, targets), entropy
+        yield token_logprobs(logits, targets), entropy
 
     def _proximal_logprobs(self, samples: dict) -> list[np.ndarray]:
         """pi_prox: this rank's log-probs of every response token before the step's first update
@@ -271,9 +293,9 @@ class TrainWorker(StateIO):
         proximal = [None] * len(samples["response_token_ids"])
         with self.torch.no_grad():
             for indices, batch, _ in self._micro_batch_tensors(samples):  # an empty one still runs its forward
-                logprobs, _ = self._forward(batch)
-                for row, index in enumerate(indices):
-                    proximal[index] = batch.at_response(logprobs, row).cpu().numpy().astype(np.float64)
+                with self._logprobs(batch) as (logprobs, _):  # no backward to wait for
+                    for row, index in enumerate(indices):
+                        proximal[index] = batch.at_response(logprobs, row).cpu().numpy().astype(np.float64)
         return proximal
 
     # --- batches over the ranks (plumbing around operators/algorithms/step_batch.py) -----------------

@@ -52,7 +52,7 @@ class ValueWorker(TrainWorker):
         # Value stage (eval mode) computes with the same weights.
         config.classifier_dropout = 0.0
         return AutoModelForTokenClassification.from_pretrained(
-            settings.model_path, config=config, local_files_only=True, dtype=self.torch.float32,
+            settings.model_path, config=config, local_files_only=True, dtype=self.module_dtype(),
             trust_remote_code=settings.trust_remote_code,
         )
 

@@ -63,9 +63,11 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
     # The sharded side also splits each rank's samples into micro-batches (several forwards,
     # one backward under ZeRO-3): the step must still equal the single-rank one.
     # Threshold 0: every parameter is really partitioned, so the publish (a gather) involves both ranks;
-    # at DeepSpeed's default the tiny model's parameters all stay whole and nothing is gathered.
+    # at DeepSpeed's default the tiny model's parameters all stay whole and nothing is gathered. Log-probs in
+    # chunks of 2 positions: the sharded LM head is gathered once per micro-batch for all of them and its
+    # gradient still reaches both shards.
     sharded = load_config(None, base + ["train.world_size=2", "train.zero_stage=3", "train.micro_batch_tokens=12",
-                                        "train.zero3_persistence_threshold=0"])
+                                        "train.zero3_persistence_threshold=0", "train.logits_chunk_tokens=2"])
     results_1, weights_1 = one_step(single, tiny_model_path, samples, "trainer-test-1")
     results_2, weights_2 = one_step(sharded, tiny_model_path, samples, "trainer-test-2")
     assert len(results_2) == 2 and all(r["micro_batches"] > 1 for r in results_2)

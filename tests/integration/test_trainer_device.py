@@ -165,6 +165,36 @@ def test_chunked_logits_and_gradient_checkpointing_leave_the_step_unchanged(tiny
     _assert_same_step(plain, checkpointed)
 
 
+def test_zero3_gathers_the_lm_head_once_per_micro_batch_for_all_its_chunks(tiny_model_path, monkeypatch):
+    """ZeRO-3 with the head really partitioned (threshold 0) and log-prob chunks of 2 positions, several per
+    micro-batch: the head is gathered once per micro-batch (engine_steps.gathered_head) for its chunks, their
+    recomputes in backward and its gradient, and the head module itself runs once per micro-batch (the
+    model's own logits of one position), not once per chunk and recompute. The gradient still reaches the
+    sharded head: the step equals ZeRO-0's with the full logits."""
+    import operators.workers.train_worker as train_worker
+
+    gathers, gathered_head = [], train_worker.gathered_head
+
+    def counted(deepspeed, head, zero_stage):
+        gathers.append(zero_stage)
+        return gathered_head(deepspeed, head, zero_stage)
+
+    monkeypatch.setattr(train_worker, "gathered_head", counted)  # counts, then gathers as before
+    samples = explode(step_samples(tiny_model_path))
+    plain = _step(tiny_model_path, samples, "train.logits_chunk_tokens=0")
+    assert gathers == []  # full logits: no chunk, no gather of ours
+    worker = _worker(tiny_model_path, "train.zero_stage=3", "train.zero3_persistence_threshold=0",
+                     "train.micro_batch_tokens=12", "train.logits_chunk_tokens=2")
+    head_calls = []
+    worker.engine.module.get_output_embeddings().register_forward_pre_hook(lambda *_: head_calls.append(1))
+    tokens = sum(len(r) for r in samples["response_token_ids"])
+    result = worker.train_step(samples, tokens, len(samples["advantages"]))
+    passes = result["micro_batches"]
+    assert passes >= 3 and max(len(r) for r in samples["response_token_ids"]) > 2  # several chunks per pass
+    assert gathers == [3] * passes and len(head_calls) == passes
+    _assert_same_step(plain, (result, worker.state_dict(), worker))
+
+
 @pytest.mark.parametrize("zero_stage, dtype", [(0, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
 def test_nonfinite_loss_in_a_later_micro_batch_drops_the_accumulated_gradients(tiny_model_path, zero_stage, dtype):
     """The poisoned sample is the longest, so it lands in the last micro-batch, after others were
@@ -242,6 +272,34 @@ def test_bf16_step_matches_fp32_within_bf16_precision(tiny_model_path):
         fp32_update, bf16_update = fp32[1][name] - before[name], master - start
         assert np.abs(bf16_update - fp32_update).mean() < 0.25 * lr, name
         assert np.abs(bf16_update).mean() > 0.5 * lr, name  # and it is an update (Adam's first step ~ lr)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_rank_loads_and_exports_in_the_training_dtype(tiny_model_path, tmp_path, dtype):
+    """ZeRO-2: the rank loads the model in the training dtype (no fp32 copy of a bf16 run's model on every rank;
+    DeepSpeed keeps the fp32 masters in its optimizer) and the HF export writes the trained module's weights
+    in that dtype, its config saying the same; fp32 exports exactly the fp32 weights, as before."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    expected, name_of = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}[dtype]
+    samples = explode(step_samples(tiny_model_path))
+    _, weights, worker = _step(tiny_model_path, samples, "train.zero_stage=2", f"train.dtype={dtype}")
+    module = worker.engine.module
+    assert module.config.dtype == expected  # from_pretrained's dtype (DeepSpeed's own cast would leave float32 here)
+    assert {p.dtype for p in module.parameters()} == {expected}
+    worker.save_pretrained(str(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        exported = {name: stored.get_tensor(name) for name in stored.keys()}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == name_of
+    assert exported.keys() == dict(module.named_parameters()).keys()
+    for name, param in module.named_parameters():
+        assert exported[name].dtype == expected and torch.equal(exported[name], param.detach()), name
+        if dtype == "fp32":
+            np.testing.assert_array_equal(exported[name].numpy(), weights[name], err_msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True, dtype="auto")
+    assert {p.dtype for p in reloaded.parameters()} == {expected}
 
 
 def test_shards_are_balanced_by_tokens():

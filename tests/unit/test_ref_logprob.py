@@ -1,11 +1,14 @@
-"""The RefLogprob operator: its log-probs are the engine's for the same weights, chunking changes
-nothing, and it runs as the DAG's ref_logprob stage."""
+"""The RefLogprob operator: its log-probs are the engine's for the same weights, chunking (of sequences, and
+of positions through the LM head) changes nothing, and it runs as the DAG's ref_logprob stage; the HF engine
+scores its samples through the same chunked head."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from operators.generate import Generate
 from operators.algorithms.batching import length_sorted_chunks
@@ -45,3 +48,63 @@ def test_reference_config_is_checked_up_front(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"reference.model_path={tmp_path / 'missing'}"])
     assert "does not exist" in dict(err.value.problems)["reference.model_path"]
+
+
+class LargestLogits(TorchFunctionMode):
+    """Watches every torch call's result: the most elements of any [.., V]-shaped (2-D or 3-D) tensor made,
+    logits or anything as large (the [B, L, V] logits, their softmax, a stack of per-step logits)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() in (2, 3) and tensor.shape[-1] == self.vocab:
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_the_head_runs_a_chunk_of_positions_at_a_time_with_the_same_logprobs(tiny_model_path):
+    """logits_chunk_tokens smaller than the batch's positions gives the log-probs of the full logits (0), and
+    no tensor as large as the batch's [B, L, V] logits is ever made: at most a chunk's rows x positions x V."""
+    rows = generated(tiny_model_path, 0.7)
+    full, chunked = (RefLogprob(tiny_model_path, temperature=0.7, logits_chunk_tokens=tokens) for tokens in (0, 24))
+    vocab = full.model.config.vocab_size
+    with LargestLogits(vocab) as whole:
+        expected = full(rows)["ref_logprobs"]
+    with LargestLogits(vocab) as parts:
+        scored = chunked(rows)["ref_logprobs"]
+    for a, b in zip(expected, scored):
+        np.testing.assert_allclose(np.concatenate(b), np.concatenate(a), rtol=1e-5, atol=1e-6)
+    assert parts.largest <= 24 * vocab < whole.largest
+
+
+def test_hf_engine_scores_its_samples_a_chunk_at_a_time(tiny_model_path):
+    """The HF engine's behaviour log-probs, scored after generation a chunk of positions at a time, equal
+    log_softmax(logits / T) of the logits generate sampled each token from (its own per-step logits, asked
+    for here), and no [B*n, T, V] tensor is made: at most a chunk's, or one decode step's [B*n, V]."""
+    from operators.engines.base import SamplingParams
+    from operators.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path, logits_chunk_tokens=8)
+    vocab = engine.model.config.vocab_size
+    prompts = engine.encode(["1+2=", "19+23="])
+    params = SamplingParams(n=4, max_new_tokens=6, min_new_tokens=6, temperature=0.7, seed=3)
+    with LargestLogits(vocab) as watched:
+        groups = engine.generate(prompts, params)
+    padded = engine.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    torch.manual_seed(params.seed)
+    out = engine.model.generate(**padded, do_sample=True, temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=6,
+                                min_new_tokens=6, num_return_sequences=4, eos_token_id=list(engine.stop_ids),
+                                pad_token_id=engine.pad_id, return_dict_in_generate=True, output_logits=True)
+    logits = torch.stack(out.logits, dim=1).float() / 0.7  # [B*n, T, V], what the engine no longer holds
+    new_tokens = out.sequences[:, padded["input_ids"].shape[1]:]  # [B*n, T]
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B*n, T]
+    samples = [(tokens, logprobs) for group in groups for tokens, logprobs in zip(group.token_ids, group.logprobs)]
+    assert len(samples) == 8
+    for row, (tokens, logprobs) in enumerate(samples):
+        assert tokens == new_tokens[row, :len(tokens)].tolist()  # the same samples (same seed)
+        np.testing.assert_allclose(logprobs, expected[row, :len(tokens)].numpy(), rtol=1e-5, atol=1e-5)
+    assert watched.largest <= max(8, 4 * len(prompts)) * vocab < logits.numel()
