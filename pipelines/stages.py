@@ -84,7 +84,9 @@ def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = 
     `plane`: the generate stage's engines, which receive policy versions on the weight plane when
     rollout.weight_transfer resolves to gloo (an evaluator's engine loads the versions it is handed)."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
-    if (engine or cfg.rollout.engine) == "vllm":
+    if (engine or cfg.rollout.engine) == "hf":  # it scores each response in the trainer's chunks
+        options["logits_chunk_tokens"] = cfg.train.logits_chunk_tokens
+    elif (engine or cfg.rollout.engine) == "vllm":
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
         if in_flight:
             options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
@@ -186,6 +188,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
                             if ref.model_path and ref.model_path != cfg.model.path else model_path),
                 temperature=cfg.rollout.temperature, micro_batch_tokens=ref.micro_batch_tokens,
                 torch_threads=ref.torch_threads, dtype=ref.dtype, trust_remote_code=cfg.model.trust_remote_code,
+                logits_chunk_tokens=cfg.train.logits_chunk_tokens,  # the trainer's chunks: no [B, T, V] logits
             ),
             ActorPoolStrategy(size=ref.num_actors), {"num_cpus": ref.num_cpus, **remote_args.get("reference", {})},
             requires=("prompt_token_ids", "response_token_ids"), produces=("ref_logprobs",),
