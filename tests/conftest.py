@@ -12,6 +12,7 @@ Each test gets the marker of its folder (`pytest -m unit`, `-m "not e2e"`); `slo
 from __future__ import annotations
 
 import os
+import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -64,3 +65,21 @@ def pytest_collection_modifyitems(config, items):
         folder = item.path.parent.name
         if folder in FOLDER_MARKERS:
             item.add_marker(folder)
+
+
+@pytest.fixture(autouse=True)
+def no_zero3_left_behind():
+    """A ZeRO-3 rank built in this process leaves two things behind that a job never meets (each rank is its
+    own process there): transformers builds every later model inside deepspeed.zero.Init while the rank's
+    HfDeepSpeedConfig lives (operators/workers/deepspeed_setup.py zero3_init), and DeepSpeed's zero.Init
+    leaves torch.nn.functional.linear replaced by its zero3_linear_wrap. Undo both for the tests after."""
+    import torch
+
+    linear = torch.nn.functional.linear
+    yield
+    if "deepspeed" not in sys.modules:  # nothing to undo, and no reason to import transformers
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    torch.nn.functional.linear = linear

