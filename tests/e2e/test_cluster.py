@@ -84,6 +84,9 @@ def test_bad_config_or_unplaceable_job_starts_nothing(cluster, mlflow_server):
     assert jobs_on(cluster["address"]) == []
 
 
+# make test-extended (83 s): CI keeps `streamrl submit` to a two-node cluster (test_node_loss.py) and a job
+# tracking to a real MLflow server (test_tracking_outage.py)
+@pytest.mark.extended
 def test_submitted_job_trains_across_nodes_and_tracks_to_server(cluster, mlflow_server, tmp_path, monkeypatch):
     started = time.monotonic()
     done = streamrl_submit(

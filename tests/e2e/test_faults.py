@@ -184,6 +184,9 @@ def test_driver_sigkill_at_random_step_then_resume_matches_uninterrupted(ray_clu
         assert sorted((m.step, m.value) for m in history) == [(step + 1, float(step)) for step in range(STEPS)]
 
 
+# make test-extended (141 s): CI keeps a generate actor SIGKILLed mid-job with a restart and exactly-once ledger
+# (test_in_flight.py, mid weight transfer) and a lost trainer rank's restart (test_node_loss.py)
+@pytest.mark.extended
 def test_actors_sigkilled_midjob_restart_then_resume(ray_cluster, tmp_path):
     """One job, four SIGKILLs: a generate actor (step 2), a trainer rank (step 3: the job restarts
     from the last checkpoint), a reward actor (the restarted DAG's first step), the rank again (its

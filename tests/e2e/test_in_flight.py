@@ -336,7 +336,8 @@ def test_generate_actor_killed_mid_weight_transfer_ends_the_attempt_and_every_gr
     out, faults = tmp_path / "run", tmp_path / "faults"
     faults.mkdir()
     _, _, driver = start_with_fault(out, faults, "weights_receiving", dag_overrides(
-        out, untrained_model, **{"train.max_staleness": 1, "rollout.max_new_tokens": 16}))
+        out, untrained_model, **{"train.max_staleness": 1, "rollout.max_new_tokens": 8, "train.steps": 4,
+                                 "data.num_prompts": 16}))
     seen, killed = [], None
     marker = faults / "weights_receiving.json"
     try:
@@ -360,4 +361,4 @@ def test_generate_actor_killed_mid_weight_transfer_ends_the_attempt_and_every_gr
     from pipelines.recovery.checkpoint import CheckpointDir
 
     run_id = re.search(r"checkpoints/(\S+?)/step_", text).group(1)
-    check_ledger(CheckpointDir.of_run(out, run_id).latest_valid().ledger(), 6, 4, 1)
+    check_ledger(CheckpointDir.of_run(out, run_id).latest_valid().ledger(), 4, 4, 1)

@@ -220,6 +220,9 @@ def test_cpu_tensor_parallel_binding_gives_each_worker_its_own_cpus(monkeypatch)
 
 
 @pytest.mark.slow
+# make test-extended (59 s): CI keeps the CPU binding of tensor-parallel workers (the test above) and the
+# one-worker engine's parity with HF and in-place loads
+@pytest.mark.extended
 def test_tensor_parallel_engine_matches_hf_and_loads_buckets_in_place(hf, prompts, tiny_model_path, monkeypatch):
     """rollout.vllm.tensor_parallel_size: 2 on CPU (the "mp" executor the job names there, a worker process
     per shard): the split engine computes what HF computes, and bf16 buckets load in place into both
