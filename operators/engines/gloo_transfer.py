@@ -71,7 +71,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._cond = threading.Condition()
         self._staged: tuple[int, list[WeightBucket], dict | None, list[str]] | None = None
         self._received_failure: BaseException | None = None
-        self._applying: tuple[int, dict | None, list[str]] | None = None
+        self._applying: tuple[int, list[WeightBucket], dict | None, list[str]] | None = None
         self.report: dict = {}
         self._stop = False
 
@@ -112,7 +112,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         with disable_mtp_completeness_check():
             self.model.load_weights((name, tensor.to(self.device)) for name, tensor in WeightSet(buckets).tensors())
-        self._applying = (version, digests, transport_bad)
+        self._applying = (version, buckets, digests, transport_bad)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -120,13 +120,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
         if self._applying is None:
             return
-        version, digests, transport_bad = self._applying
+        version, buckets, digests, transport_bad = self._applying
         self._applying = None
         report = {"version": version, "verified": digests is not None, "transport_checked": 0, "applied_checked": 0,
                   "mismatches": list(transport_bad)}
         if digests is not None:
             report["transport_checked"] = len(digests)
-            checked, bad = applied_mismatches(self.model, digests, self._dtypes, self._shapes)
+            dtypes = {name: b.dtype for b in buckets for name in b.names}  # of the version applied, not the next
+            shapes = {name: shape for b in buckets for name, shape in zip(b.names, b.shapes)}
+            checked, bad = applied_mismatches(self.model, digests, dtypes, shapes)
             report["applied_checked"], report["mismatches"] = checked, report["mismatches"] + bad
         self.report = report
 
@@ -147,8 +149,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     "weights_receiving", version=v, engine_id=info.engine_id, actor_pid=os.getppid()))
                 digests = layout.get("digests")
                 bad = transport_mismatches(buckets, digests) if digests else []
-                self._dtypes = {name: b.dtype for b in buckets for name in b.names}
-                self._shapes = {name: shape for b in buckets for name, shape in zip(b.names, b.shapes)}
                 with self._cond:
                     self._staged = (version, buckets, digests, bad)
                     self._cond.notify_all()
@@ -161,8 +161,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     self._received_failure = err
                     self._cond.notify_all()
 
-    _dtypes: dict[str, str] = {}
-    _shapes: dict[str, tuple] = {}
 
 
 def transport_mismatches(buckets: list[WeightBucket], digests: dict[str, str]) -> list[str]:
