@@ -3,6 +3,7 @@
     python benchmarks/simulate_cluster.py                 # -> results/simulation.json, simulation.png
     python benchmarks/simulate_cluster.py --gpus 32 --runs a,d2 --steps 6
     python benchmarks/simulate_cluster.py --calibrate     # -> results/sim_calibration.json
+    python benchmarks/sim_bound.py                        # each recorded speed-up against its bound (no re-run)
 
 The DAG, scheduler, policy store, staleness gate, Ray Data backpressure, the rollout loop
 (`operators/engines/rollout.py`) and the Train operator are the real ones (`pipelines.dag`); only the
@@ -55,7 +56,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 import sim_trainer
 
-from benchmarks.sim_engine import ENGINE as SIM_ENGINE, CostModel
+from benchmarks.sim_bound import add_bounds, print_table as print_bound_table
+from benchmarks.sim_engine import ENGINE as SIM_ENGINE, CostModel, SimEngine
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -252,6 +254,24 @@ def prompt_table(count: int) -> pd.DataFrame:
         "prompt_id": [f"q{i:06d}" for i in range(count)], "prompt": [f"question {i}" for i in range(count)],
         "answer": ["0"] * count,
     })
+
+
+def scheduled_lengths(steps: int, cost: CostModel) -> list[np.ndarray]:
+    """Each step's response lengths (simulated tokens) as the sim engines draw them for this script's
+    schedule; the same in every run of the ablation (lengths are seeded by the prompt)."""
+    from pipelines.dag import schedule_groups
+
+    layout, _ = layout_for("a", GENERATION_ACTORS, cost)  # the schedule depends on groups per step, not the layout
+    table = pd.concat(schedule_groups(prompt_table(steps * GROUPS_PER_STEP), job_config(layout, steps)))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "cost.json"
+        path.write_text(json.dumps(replace(cost, stats_dir=None).to_dict()))
+        engine = SimEngine(str(path))
+    try:
+        return [np.concatenate(engine.draw_lengths(engine.encode(list(table.loc[table["train_step"] == step, "prompt"])),
+                                                   N_SAMPLES)) for step in range(steps)]
+    finally:
+        engine.server.close()
 
 
 def run_layout(layout: Layout, cost: CostModel, steps: int, workdir: Path) -> dict:
@@ -618,6 +638,8 @@ def main() -> None:
         "calibration_on_this_machine": json.loads(calibration.read_text()) if calibration.exists() else None,
         **result,
     }
+    print("\nSIMULATION against its bound (benchmarks/sim_bound.py: the best any schedule could do, same staleness)")
+    print_bound_table(add_bounds(record, scheduled_lengths(args.steps, CostModel.from_dict(GPU_COST))))
     out = RESULTS / f"{args.name}.json"
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     plot(result["records"], RESULTS / f"{args.name}.png")

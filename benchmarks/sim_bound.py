@@ -1,0 +1,232 @@
+"""The simulation's bound: the shortest step any schedule could reach under simulate_cluster.py's cost model.
+
+    python benchmarks/sim_bound.py            # adds the bound to results/simulation*.json, prints the table
+
+Beside each simulated speed-up (benchmarks/simulate_cluster.py, results/simulation.json) stands the
+speed-up no schedule could beat at the same staleness and GPU count: run a's simulated step time over
+the bound's (the simulation's speed-up is samples/s over run a's), and the ratio of the two, which is
+the bound's step time over the run's. The simulation is not re-run: the records are post-processed (the
+workload is reproduced from the schedule and the prompt-seeded lengths, as the sim engine drew them).
+
+Notation (the cost model's fields, benchmarks/sim_engine.py `CostModel`): a step has responses of
+lengths L_i (simulated tokens), D = sum L_i tokens decoded, the longest Lmax; the trainer is charged
+R = sum ceil(L_i / token_unit) x token_unit + responses x prompt_tokens tokens. tick(x) = decode_step_s
++ decode_per_seq_s x x is one decode tick with x sequences active, at most m = max_num_seqs per
+instance; w = weight_sync_s; a layout puts generation on G GPUs (I = G / gpus_per_instance engine
+instances) and training on T, either apart (G + T = N) or colocated (G = T = N, in turn).
+
+Per step, every schedule pays at least:
+  train  t   = train_seconds_per_token x R / T + train_step_fixed_s    (the trainer's own cost, exactly)
+  tail   lam = Lmax x tick(1)       the longest response needs Lmax ticks of its instance, each costing
+                                    at least tick(1) (it is active itself)
+  work   D x (decode_step_s / m + decode_per_seq_s) instance-seconds: an instance busy for k ticks
+                                    decoding d tokens spends decode_step_s x k + decode_per_seq_s x d,
+                                    and k >= d / m; spread over I instances, at least work / I seconds
+  gen    = max(lam, work / I)       at least the time from the step's first token to its last
+
+The staleness gate (a group of step k may start once the loaded version is >= k - s; staleness counts
+a group's oldest token) means every token of step k is decoded after train step k - s - 1 has ended
+(version k - s published) and w has passed (its load): the whole of gen lies after that. So, with E_k
+the end of train step k (which publishes version k + 1),
+
+  (1) E_k >= E_{k-s-1} + w + gen + t      generation of step k overlaps training of steps k-s..k-1 only
+  (2) E_k >= E_{k-1} + t                  train steps run one after another
+
+and in a steady state with period P (seconds per step), over many steps:
+
+  P >= (w + gen + t) / (s + 1)   from (1)
+  P >= t                         from (2)
+  P >= work / I                  apart: the generation GPUs decode every step's tokens
+  P >= work / I + t              colocated: the same GPUs generate or train, never both at once
+  P >= lam / (s + 1) + t         colocated: between E_{k-s-1} and E_k the tail's decode and the s + 1
+                                 train steps k-s..k all run, on the same GPUs, so one after another
+
+(chaining (1) K times gives E_{k + K(s+1)} - E_k >= K (w + gen + t), hence the first line).
+The bound is the largest of these. Each inequality holds for every order of work, admission, batching
+and weight loading the cost model allows, so no schedule on that layout beats it; the best over every
+layout (`best_bound`: G from 1 to N - 1 apart, and colocated, where the GPUs are counted once) is what
+any schedule could do. Staleness enters only through (1) and the colocated tail, each divided by s + 1:
+every term stays or falls as s grows, so the bound never rises with staleness. At staleness 0, (1) is
+load, generate, train in turn, and the best layout is colocated on all N (apart, each phase has part
+of them): the bound is the synchronous schedule with perfect decoding (`sync_step_s`).
+
+What the bound takes as perfect, and the simulation does not have: no DAG overhead (Ray Data, the
+rollout loop, the Train operator's hops); no prefill (the cost model has none either); the longest
+response decodes alone (batch 1) while every other token decodes in full batches of m; decoding
+balanced over instances; every group admitted the moment its gate opens; the training of a step
+starting the moment its last token is out; one load of w per version on the critical path and none
+elsewhere (loads off it are not charged at all); free publishing. It is a bound on the long-run step
+time; the simulation times a 5-step window after start-up, which a pipeline filled before the window
+could in principle beat, so the unit tests check the recorded runs against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.sim_engine import CostModel
+
+RESULTS = Path(__file__).parent / "results"
+RESULT_FILES = ("simulation.json", "simulation_check_128.json")
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step's workload, in the terms the cost model prices."""
+
+    decoded_tokens: float  # D: simulated tokens decoded
+    trained_tokens: float  # R: tokens the trainer is charged (responses in whole fake ids, plus prompts)
+    longest: float  # Lmax: the longest response, simulated tokens
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A lower bound on seconds per step, the layout it is for, and which term sets it."""
+
+    step_s: float
+    gen_gpus: int
+    train_gpus: int
+    colocated: bool
+    limit: str  # "staleness chain", "trainer", "generation throughput", "colocated work", "colocated tail"
+
+
+def step_work(lengths: np.ndarray, cost: CostModel) -> StepWork:
+    """A step's workload from its response lengths (simulated tokens), as sim_trainer charges it."""
+    lengths = np.asarray(lengths)
+    ids = np.ceil(lengths / cost.token_unit)
+    return StepWork(float(lengths.sum()), float(ids.sum() * cost.token_unit + lengths.size * cost.prompt_tokens),
+                    float(lengths.max()))
+
+
+def mean_work(steps: list[np.ndarray], cost: CostModel) -> StepWork:
+    """The mean workload of several steps (every term of the bound is linear in it)."""
+    works = [step_work(lengths, cost) for lengths in steps]
+    return StepWork(*(float(np.mean([getattr(w, f) for w in works])) for f in StepWork.__dataclass_fields__))
+
+
+def train_s(work: StepWork, cost: CostModel, train_gpus: int) -> float:
+    """t: one train step on `train_gpus` (sim_trainer's sleep)."""
+    return cost.train_seconds_per_token * work.trained_tokens / train_gpus + cost.train_step_fixed_s
+
+
+def decode_work_s(work: StepWork, cost: CostModel) -> float:
+    """Instance-seconds to decode the step's tokens in full batches of max_num_seqs."""
+    return work.decoded_tokens * (cost.decode_step_s / cost.max_num_seqs + cost.decode_per_seq_s)
+
+
+def generation_s(work: StepWork, cost: CostModel, gen_gpus: int) -> float:
+    """gen: the step's first token to its last, at best: max(the tail alone at batch 1, the work spread)."""
+    instances = gen_gpus // cost.gpus_per_instance
+    return max(work.longest * cost.tick_seconds(1), decode_work_s(work, cost) / instances)
+
+
+def step_bound(work: StepWork, cost: CostModel, gen_gpus: int, train_gpus: int, staleness: int,
+               colocated: bool = False) -> Bound:
+    """The least seconds per step on one layout at `staleness` (the module docstring's inequalities)."""
+    if staleness < 0 or gen_gpus < cost.gpus_per_instance or train_gpus < 1:
+        raise ValueError(f"staleness {staleness}, gen_gpus {gen_gpus}, train_gpus {train_gpus}: staleness must be "
+                         f">= 0, gen_gpus >= gpus_per_instance ({cost.gpus_per_instance}), train_gpus >= 1")
+    t = train_s(work, cost, train_gpus)
+    instances = gen_gpus // cost.gpus_per_instance
+    terms = {
+        "staleness chain": (cost.weight_sync_s + generation_s(work, cost, gen_gpus) + t) / (staleness + 1),
+        "trainer": t,
+    }
+    if colocated:
+        terms["colocated work"] = decode_work_s(work, cost) / instances + t
+        terms["colocated tail"] = work.longest * cost.tick_seconds(1) / (staleness + 1) + t
+    else:
+        terms["generation throughput"] = decode_work_s(work, cost) / instances
+    limit = max(terms, key=terms.get)
+    return Bound(terms[limit], gen_gpus, train_gpus, colocated, limit)
+
+
+def sync_step_s(work: StepWork, cost: CostModel, gpus: int) -> float:
+    """The synchronous schedule, colocated on all `gpus`, with perfect decoding: load, generate, train."""
+    return cost.weight_sync_s + generation_s(work, cost, gpus) + train_s(work, cost, gpus)
+
+
+def best_bound(work: StepWork, cost: CostModel, gpus: int, staleness: int) -> Bound:
+    """The least seconds per step of any schedule on `gpus`: the best layout (colocated, or any split)."""
+    layouts = [step_bound(work, cost, gpus, gpus, staleness, colocated=True)]
+    layouts += [step_bound(work, cost, gen, gpus - gen, staleness)
+                for gen in range(cost.gpus_per_instance, gpus, cost.gpus_per_instance)]
+    return min(layouts, key=lambda bound: bound.step_s)
+
+
+# --- the recorded runs ---------------------------------------------------------------------
+
+def timed_steps(step_lengths: list[np.ndarray]) -> list[np.ndarray]:
+    """The steps simulate_cluster.summarize times (the end of step 2 to the end of the last; 1-based)."""
+    return step_lengths[2:]
+
+
+def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
+    """Add the bound to every record of a simulate_cluster result (in place); `step_lengths`: each step's
+    response lengths as the run drew them. Returns the records."""
+    cost = CostModel.from_dict(result["cost_model"])
+    work = mean_work(timed_steps(step_lengths), cost)
+    result["bound_workload"] = {**vars(work), "steps": "the timed ones, mean (train_step 2 to the last, 0-based)",
+                                "derivation": "benchmarks/sim_bound.py"}
+    for record in result["records"]:
+        gpus, staleness = record["gpus"], record["max_staleness"]
+        sync = next((r for r in result["records"] if r["gpus"] == gpus and r["run"] == "a"), None)
+        best = best_bound(work, cost, gpus, staleness)
+        own = step_bound(work, cost, record["gen_gpus"], record["train_gpus"], staleness,
+                         colocated=record["gen_gpus"] + record["train_gpus"] > gpus)
+        record["bound"] = {
+            "sim_seconds_per_step": round(best.step_s, 2), "gen_gpus": best.gen_gpus, "train_gpus": best.train_gpus,
+            "colocated": best.colocated, "limit": best.limit,
+            "sim_seconds_per_step_at_this_layout": round(own.step_s, 2), "limit_at_this_layout": own.limit,
+            "sync_sim_seconds_per_step": round(sync_step_s(work, cost, gpus), 2),
+            # the simulated speed-up is samples/s over run a's, so its bound is a's step time over the bound's
+            "speedup_over_sync": round(sync["sim_seconds_per_step"] / best.step_s, 2) if sync else None,
+            "ratio": round(best.step_s / record["sim_seconds_per_step"], 3),
+            "ratio_at_this_layout": round(own.step_s / record["sim_seconds_per_step"], 3),
+        }
+    return result["records"]
+
+
+def print_table(records: list[dict], echo=print) -> None:
+    echo(f"{'GPUs':>5} {'run':<4}{'staleness':>10}{'simulated':>10}{'bound':>8}{'ratio':>7}   "
+         f"{'sim s/step':>10}{'bound s/step':>13}  bound layout (limit)          "
+         f"{'at this layout':>15}{'ratio':>7}")
+    for r in records:
+        b = r["bound"]
+        layout = "colocated" if b["colocated"] else f"{b['gen_gpus']}/{b['train_gpus']}"
+        speedup = f"{r['speedup_over_sync']:.2f}x" if "speedup_over_sync" in r else "-"
+        bound = f"{b['speedup_over_sync']:.2f}x" if b["speedup_over_sync"] is not None else "-"
+        echo(f"{r['gpus']:>5} {r['run']:<4}{r['max_staleness']:>10}{speedup:>10}{bound:>8}{b['ratio']:>7.2f}   "
+             f"{r['sim_seconds_per_step']:>10.1f}{b['sim_seconds_per_step']:>13.1f}  "
+             f"{layout + ' (' + b['limit'] + ')':<30}{b['sim_seconds_per_step_at_this_layout']:>15.1f}"
+             f"{b['ratio_at_this_layout']:>7.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", default=[str(RESULTS / name) for name in RESULT_FILES],
+                        help="simulate_cluster results to add the bound to (rewritten in place)")
+    args = parser.parse_args()
+    from simulate_cluster import scheduled_lengths  # the workload as the runs drew it
+
+    for name in args.files:
+        path = Path(name)
+        result = json.loads(path.read_text())
+        lengths = scheduled_lengths(result["steps_per_run"], CostModel.from_dict(result["cost_model"]))
+        print(f"\n{path.name}: SIMULATION against its bound (speed-ups over run a; bound: the best any "
+              f"schedule could do under the cost model, at the same staleness)")
+        print_table(add_bounds(result, lengths))
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
