@@ -4,12 +4,15 @@ and the recorded runs of benchmarks/results/simulation*.json against it."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.sim_bound import (
-    RESULTS, StepWork, best_bound, mean_work, step_bound, step_work, sync_step_s,
+    RESULT_FILES, RESULTS, StepWork, best_bound, mean_work, step_bound, step_work, sync_step_s, timed_steps,
 )
 from benchmarks.sim_engine import CostModel
 
@@ -21,6 +24,10 @@ HAND_WORK = step_work(np.array([10, 2, 2, 2]), HAND)  # D = R = 16 tokens, Lmax 
 
 def recorded(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
+
+
+def recorded_work(result: dict) -> StepWork:
+    return StepWork(**{f: result["bound_workload"][f] for f in StepWork.__dataclass_fields__})
 
 
 def test_step_work_charges_whole_fake_ids_and_prompts():
@@ -78,6 +85,40 @@ def test_the_bound_never_rises_with_staleness():
         assert steps[-1] < steps[0]
         one_layout = [step_bound(work, cost, gpus // 2, gpus // 2, s).step_s for s in range(9)]
         assert all(later <= earlier + 1e-9 for earlier, later in zip(one_layout, one_layout[1:]))
+
+
+@pytest.mark.parametrize("name", RESULT_FILES)
+def test_every_recorded_speedup_is_within_its_bound(name):
+    result = recorded(name)
+    cost, work = CostModel.from_dict(result["cost_model"]), recorded_work(result)
+    for record in result["records"]:
+        bound = record["bound"]
+        best = best_bound(work, cost, record["gpus"], record["max_staleness"])
+        assert bound["sim_seconds_per_step"] == pytest.approx(best.step_s, abs=0.01)  # the file is up to date
+        assert best.step_s <= record["sim_seconds_per_step"], record["schedule"]
+        assert record["speedup_over_sync"] <= bound["speedup_over_sync"], record["schedule"]
+        assert 0 < bound["ratio"] <= bound["ratio_at_this_layout"] <= 1, record["schedule"]
+        own = step_bound(work, cost, record["gen_gpus"], record["train_gpus"], record["max_staleness"],
+                         colocated=record["gen_gpus"] + record["train_gpus"] > record["gpus"])
+        assert bound["sim_seconds_per_step_at_this_layout"] == pytest.approx(own.step_s, abs=0.01)
+
+
+def test_the_workload_is_the_one_the_runs_decoded(monkeypatch):
+    # simulate_cluster sets PYTHONPATH and sys.path for its Ray workers when imported: undone after the test
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from simulate_cluster import scheduled_lengths
+
+    result = recorded("simulation.json")
+    cost = CostModel.from_dict(result["cost_model"])
+    lengths = scheduled_lengths(result["steps_per_run"], cost)
+    assert [len(step) for step in lengths] == [result["samples_per_step"]] * result["steps_per_run"]
+    assert mean_work(timed_steps(lengths), cost) == recorded_work(result)
+    # The runs report tokens/s over the timed steps (whole fake ids); the drawn lengths give the same tokens.
+    tokens = sum(float(np.ceil(step / cost.token_unit).sum()) * cost.token_unit for step in timed_steps(lengths))
+    for record in result["records"]:
+        assert record["sim_tokens_per_s"] * record["sim_seconds"] == pytest.approx(tokens, rel=1e-4)
 
 
 def test_a_layout_without_gpus_is_refused():
