@@ -57,7 +57,8 @@ def next_token_logprobs(model, input_ids, attention, temperature: float, chunk_t
                         start: int = 0):
     """Without a graph: log-probs [B, L-1-start] of the tokens of `input_ids` [B, L] from position start + 1 on
     (the ones before are context only) under `model` (a Hugging Face causal LM), of softmax(logits /
-    temperature). With `chunk_tokens` (> 0) and a plain head (chunkable_head), the backbone's last hidden
+    temperature). `attention` None with restarting `position_ids`: sequences packed in one row
+    (operators.algorithms.batching.PackedInputs). With `chunk_tokens` (> 0) and a plain head (chunkable_head), the backbone's last hidden
     state [B, L, H] is all the model returns and the head runs on at most `chunk_tokens` positions (rows x
     positions) at a time; otherwise (or when the batch is no larger than a chunk) the full logits are taken."""
     import torch
@@ -65,6 +66,8 @@ def next_token_logprobs(model, input_ids, attention, temperature: float, chunk_t
     inputs = {"input_ids": input_ids, "attention_mask": attention}
     if position_ids is not None:
         inputs["position_ids"] = position_ids
+    if attention is None:  # packed sequences (operators/algorithms/batching.py): read from the position ids, no cache
+        inputs["use_cache"] = False
     targets = input_ids[:, start + 1:]  # [B, L-1-start]
     head = chunkable_head(model) if chunk_tokens and targets.numel() > chunk_tokens else None
     backbone = getattr(model, "base_model", model)

@@ -12,8 +12,8 @@ response, as Generate writes them); output adds `ref_logprobs` (one list of floa
 response, aligned with its tokens). Log-probs are of softmax(logits / temperature), as the
 engines and the trainer compute them, so the three agree at temperature != 1. The model is
 loaded once per actor, on the GPU Ray gave the actor if any, and never trained; sequences
-are scored in length-sorted chunks of at most `micro_batch_tokens` padded tokens, and within a
-chunk the LM head runs on at most `logits_chunk_tokens` positions at a time, as in the trainer
+are scored in chunks of at most `micro_batch_tokens` tokens, packed into rows (`packing`, the
+default: little padding) or length-sorted and padded, and within a chunk the LM head runs on at most `logits_chunk_tokens` positions at a time, as in the trainer
 (operators/logprobs.py), so the [B, L, V] logits are never held at once. All other columns pass
 through.
 """
@@ -24,13 +24,14 @@ import time
 
 import pandas as pd
 
-from operators.algorithms.batching import length_sorted_chunks
+from operators.algorithms.batching import length_sorted_chunks, packed_chunks, packed_inputs
 
 
 class RefLogprob:
     def __init__(
         self, model_path: str, temperature: float = 1.0, micro_batch_tokens: int = 4096, torch_threads: int = 1,
         dtype: str = "float32", trust_remote_code: bool = False, logits_chunk_tokens: int = 2048,
+        packing: bool = True,
     ):
         import torch
         from transformers import AutoModelForCausalLM
@@ -51,6 +52,10 @@ class RefLogprob:
         self.temperature = float(temperature)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.logits_chunk_tokens = int(logits_chunk_tokens)  # 0: the full logits at once
+        from operators.algorithms.batching import check_packing
+
+        self.one_row = check_packing(self.model, packing, "reference")  # flash-attention: one packed row
+        self.packing = bool(packing)
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         start = time.perf_counter()
@@ -69,12 +74,26 @@ class RefLogprob:
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per (prompt ids, response ids): the response tokens' log-probs, in order."""
         out: list[list[float] | None] = [None] * len(sequences)
-        for chunk in length_sorted_chunks([len(p) + len(r) for p, r in sequences], self.micro_batch_tokens):
-            for index, values in zip(chunk, self._score_chunk([sequences[i] for i in chunk])):
+        lengths = [len(p) + len(r) for p, r in sequences]
+        cut = packed_chunks if self.packing else length_sorted_chunks
+        score = self._score_packed if self.packing else self._score_chunk
+        for chunk in cut(lengths, self.micro_batch_tokens):
+            for index, values in zip(chunk, score([sequences[i] for i in chunk])):
                 out[index] = values
         return out
 
+    def _score_packed(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """The sequences packed into rows (operators/algorithms/batching.py: packed_inputs)."""
+        from operators.logprobs import next_token_logprobs
+
+        packed = packed_inputs([p + r for p, r in sequences], self.pad_id, self.one_row).to(self.device)
+        logprobs = next_token_logprobs(self.model, packed.input_ids, None, self.temperature, self.logits_chunk_tokens,
+                                       position_ids=packed.position_ids)  # [P, W-1]
+        logprobs = packed.unpack(logprobs).cpu()  # [B, L-1]: position t of row b predicts token t + 1 of sequence b
+        return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
+
     def _score_chunk(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """The sequences right-padded to the longest."""
         from operators.logprobs import next_token_logprobs
 
         torch = self.torch
@@ -91,4 +110,3 @@ class RefLogprob:
         # Position p predicts token p + 1: a response starting at len(prompt) is read from len(prompt) - 1.
         return [logprobs[row, len(p) - 1 - start:len(p) - 1 - start + len(r)].tolist()
                 for row, (p, r) in enumerate(sequences)]
-

@@ -36,9 +36,10 @@ from operators.weights import as_weight_set, fetch
 
 class Value:
     def __init__(self, model_path: str, value_store=None, torch_threads: int = 1,
-                 trust_remote_code: bool = False, admission_timeout_s: float | None = None):
+                 trust_remote_code: bool = False, admission_timeout_s: float | None = None, packing: bool = True):
         """`model_path`: the critic folder (a checkpoint's critic/model export, or with a store any folder of
-        the same architecture: the store's weights replace its own)."""
+        the same architecture: the store's weights replace its own). `packing`: score the responses packed
+        into rows (little padding; operators/algorithms/batching.py), else right-padded rows."""
         import torch
         from transformers import AutoModelForTokenClassification
 
@@ -51,6 +52,10 @@ class Value:
             model_path, num_labels=1, local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code,
         ).to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id or 0
+        from operators.algorithms.batching import check_packing
+
+        self.one_row = check_packing(self.model, packing, "critic")  # flash-attention: one packed row
+        self.packing = bool(packing)
         self.admission_timeout_s = admission_timeout_s
         self.store = None
         self.critic_version = 0  # the folder's weights
@@ -80,9 +85,29 @@ class Value:
             self.model.load_state_dict(as_weight_set(fetch(weights_ref)).state_dict(), strict=True)
             self.critic_version = version
 
-    def score(self, batch: pd.DataFrame) -> pd.DataFrame:
-        """The batch with `values` from the weights loaded now; all responses in one padded forward."""
+    def _scores(self, sequences: list[list[int]]):
+        """One forward over all `sequences`: the value of the state before each next token, [B, L-1] (as
+        the trainer's), from packed rows or right-padded ones."""
+        from operators.algorithms.batching import packed_inputs
+
         torch = self.torch
+        if self.packing:
+            packed = packed_inputs(sequences, self.pad_id, self.one_row).to(self.device)
+            with torch.no_grad():
+                scores = self.model(**packed.model_inputs()).logits[:, :-1, 0].float()  # [P, W-1]
+            return packed.unpack(scores).cpu()  # [B, L-1]
+        width = max(len(seq) for seq in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)  # [B, L], right-padded
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, L]
+        for index, seq in enumerate(sequences):
+            input_ids[index, :len(seq)] = torch.tensor(seq)
+            attention[index, :len(seq)] = 1
+        with torch.no_grad():
+            return self.model(input_ids=input_ids.to(self.device),
+                              attention_mask=attention.to(self.device)).logits[:, :-1, 0].float().cpu()  # [B, L-1]
+
+    def score(self, batch: pd.DataFrame) -> pd.DataFrame:
+        """The batch with `values` from the weights loaded now; all responses in one forward."""
         start = time.perf_counter()
         batch = batch.reset_index(drop=True).copy()
         spans, sequences = [], []  # spans: (row, prompt length, response length) per response
@@ -92,15 +117,7 @@ class Value:
                 sequences.append(list(prompt) + list(response))
         values = [[] for _ in range(len(batch))]
         if sequences:
-            width = max(len(seq) for seq in sequences)
-            input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)  # [B, L], right-padded
-            attention = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, L]
-            for index, seq in enumerate(sequences):
-                input_ids[index, :len(seq)] = torch.tensor(seq)
-                attention[index, :len(seq)] = 1
-            with torch.no_grad():
-                scores = self.model(input_ids=input_ids.to(self.device),
-                                    attention_mask=attention.to(self.device)).logits[..., 0].float().cpu()  # [B, L]
+            scores = self._scores(sequences)  # [B, L-1]
             for index, (row, prompt_len, response_len) in enumerate(spans):
                 # position i's value is of the state that predicts token i + 1: the same shift as the trainer's
                 values[row].append(scores[index, prompt_len - 1:prompt_len - 1 + response_len].double().tolist())

@@ -1,5 +1,15 @@
-"""Packing sequences of long-tailed lengths into padded batches (the trainer's micro-batches, the
-reference model's chunks)."""
+"""Cutting sequences of long-tailed lengths into micro-batches (the trainer's, the critic's, the reference
+model's chunks), padded or packed.
+
+Padded: a micro-batch's sequences are right-padded to its longest one, B rows of L tokens. Packed (the
+default, `train.packing`): they are concatenated into fewer rows, each as wide as the longest sequence,
+with position ids that restart at 0 at each sequence, and the model computes on little more than their
+tokens. Transformers builds a block-diagonal causal
+mask from restarting position ids (masking_utils.find_packed_sequence_indices, for SDPA and eager
+attention; flash-attention's varlen kernels on GPUs read the same), so no token attends across a
+sequence boundary, and the model's outputs are unpacked to the padded [B, L-1] layout the losses read
+(PackedInputs.unpack): the same numbers as the padded forward, at the packed cost. The per-token columns
+stay padded: they hold a few floats per token, where the model's activations hold thousands."""
 
 from __future__ import annotations
 
@@ -23,6 +33,51 @@ def length_sorted_chunks(lengths: list[int], budget: int) -> list[list[int]]:
         current.append(index)
         width = grown
     return chunks + ([current] if current else [])
+
+
+def packed_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """Indices laid into rows of `width` tokens, longest first, each into the first row it fits (first-fit
+    decreasing); each row lists its indices in order of placement."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, load in enumerate(loads) if load + lengths[index] <= width), None)
+        if row is None:
+            rows.append([])
+            loads.append(0)
+            row = len(rows) - 1
+        rows[row].append(index)
+        loads[row] += lengths[index]
+    return rows
+
+
+def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices cut into packed micro-batches whose rows (packed_inputs: as wide as the micro-batch's
+    longest sequence, filled first-fit longest first) hold at most `budget` token slots in all, rows x
+    width, as a padded chunk of the same budget does (length_sorted_chunks): memory and attention follow
+    the budget either way, and a packed micro-batch carries more tokens in them. Sequences are taken
+    longest first, each into the first row it fits, else a new row while rows x width stays within the
+    budget, else the next micro-batch; a sequence longer than the budget gets one of its own. Each
+    micro-batch lists its indices in ascending order. `budget` 0: one micro-batch, in arrival order."""
+    if not budget:
+        return [list(range(len(lengths)))] if lengths else []
+    chunks: list[list[int]] = []
+    members: list[int] = []
+    loads: list[int] = []  # tokens per row of the micro-batch being filled
+    width = 0
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[index]
+        row = next((r for r, load in enumerate(loads) if load + length <= width), None)
+        if row is not None:
+            loads[row] += length
+        elif members and (len(loads) + 1) * width <= budget:
+            loads.append(length)
+        else:
+            if members:
+                chunks.append(sorted(members))
+            members, loads, width = [], [length], length
+        members.append(index)
+    return chunks + ([sorted(members)] if members else [])
 
 
 def split_to_count(chunks: list[list[int]], count: int) -> list[list[int]]:
@@ -70,12 +125,94 @@ TOKEN_COLUMNS = ("behavior_logprobs", "advantages", "proximal_logprobs", "ref_lo
 
 
 @dataclass
-class TokenBatch:
-    """One padded micro-batch of prompt + response sequences, as the trainer's losses read it.
+class PackedInputs:
+    """A micro-batch's sequences packed into rows, for the model's forward, and the way back to the padded
+    layout the losses read. Shapes: P rows of W tokens; B sequences, the longest L tokens."""
 
-    Sequences are right-padded to the longest, L tokens. Per-token columns sit in shifted (next-token)
-    coordinates: position t holds the value for predicting token t + 1, so `mask` marks the positions
-    whose next token is a response token. A column a sample set lacks is None. Shapes: B rows, L tokens.
+    input_ids: torch.Tensor  # [P, W] long: sequence after sequence, then a tail of pad_id
+    position_ids: torch.Tensor  # [P, W] long: 0, 1, ... restarting at each sequence (and at the tail)
+    index: torch.Tensor  # [B, L-1] long: where padded (row, t) sits among the packed rows' P x (W-1) positions
+    valid: torch.Tensor  # [B, L-1] bool: t < the row's length - 1 (the rest is padding)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of a Hugging Face forward on the packed rows. No attention mask and no cache:
+        that is when transformers reads packed sequences from the position ids."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "use_cache": False}
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values of the packed rows, [P, W-1] in shifted (next-token) coordinates, at the
+        padded [B, L-1] layout: position t of row b is the value after token t of sequence b, 0 at the
+        padding. Differentiable (a gather), so a loss on the padded layout trains the packed forward."""
+        import torch
+
+        gathered = values.reshape(-1)[self.index]  # [B, L-1]
+        return torch.where(self.valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+
+    def to(self, device, non_blocking: bool = True) -> PackedInputs:
+        return PackedInputs(**{name: value.to(device, non_blocking=non_blocking) for name, value in vars(self).items()})
+
+
+def packed_inputs(sequences: list[list[int]], pad_id: int = 0, one_row: bool = False) -> PackedInputs:
+    """`sequences` (token ids each, at least one token) packed into rows (PackedInputs).
+
+    Rows are as wide as the longest sequence, W = L, each filled first-fit longest first, so a row holds
+    several short sequences and the P rows are no more than the B padded ones would be. That bounds the
+    attention: SDPA and eager attention compute every row's W x W scores under the block-diagonal mask, so
+    one row of all N tokens would cost N^2 where padded rows cost B x L^2. A row's unused tail is pad_id
+    with positions of its own (a sequence of its own, never read). `one_row`: one row of all the tokens,
+    for flash-attention, whose varlen kernel computes each sequence's attention alone but reads packed
+    sequences only from a batch of one row (transformers' _is_packed_sequence)."""
+    import numpy as np
+    import torch
+
+    lengths = [len(seq) for seq in sequences]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("packed_inputs needs at least one sequence, and no empty one")
+    longest = max(lengths)
+    rows = [list(range(len(sequences)))] if one_row else packed_rows(lengths, longest)
+    width = sum(lengths) if one_row else longest
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)  # [P, W]
+    positions = np.zeros((len(rows), width), dtype=np.int64)  # [P, W]
+    starts = np.zeros(len(sequences), dtype=np.int64)  # [B]: where each sequence starts, flat in [P, W-1]
+    for row, members in enumerate(rows):
+        at = 0
+        for index in members:
+            ids[row, at:at + lengths[index]] = sequences[index]
+            positions[row, at:at + lengths[index]] = np.arange(lengths[index])
+            starts[index] = row * (width - 1) + at
+            at += lengths[index]
+        positions[row, at:] = np.arange(width - at)
+    steps = np.arange(longest - 1, dtype=np.int64)  # [L-1]
+    valid = steps[None, :] < (np.asarray(lengths) - 1)[:, None]  # [B, L-1]
+    index = np.where(valid, starts[:, None] + steps[None, :], 0)  # [B, L-1]
+    return PackedInputs(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions),
+                        index=torch.from_numpy(index), valid=torch.from_numpy(valid))
+
+
+def check_packing(model, packing: bool, section: str = "train") -> bool:
+    """Whether the model packs into one row (flash-attention) rather than rows as wide as the longest
+    sequence (packed_inputs). Raises a clear error when `packing` is asked of a model that cannot read
+    packed rows: its forward takes no `position_ids` (a custom model's code, say), so nothing would keep
+    its sequences apart."""
+    import inspect
+
+    if packing and "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"train.packing is true but {type(model).__name__}.forward takes no position_ids, so "
+                         f"sequences packed into one row would attend to each other ({section}); set train.packing: false")
+    # transformers keeps the attention kernel in a private config attribute; it is set on every loaded model
+    return packing and str(getattr(model.config, "_attn_implementation", "") or "").startswith("flash")
+
+
+@dataclass
+class TokenBatch:
+    """One micro-batch of prompt + response sequences, as the trainer's losses read it.
+
+    Sequences are right-padded to the longest, L tokens; a packed batch also carries them packed into
+    rows (`packed`), and the model runs on those (`model_inputs`, then `unpack` its outputs). Per-token
+    columns sit in shifted (next-token) coordinates: position t holds the value for predicting token t + 1,
+    so `mask` marks the positions whose next token is a response token. A column a sample set lacks is
+    None. Shapes: B rows, L tokens.
     """
 
     input_ids: torch.Tensor  # [B, L] long: prompt + response, then pad_id
@@ -91,6 +228,22 @@ class TokenBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, L-1]: the reference model's (KL penalty)
     returns: torch.Tensor | None = None  # [B, L-1]: GAE return targets (critic)
     old_values: torch.Tensor | None = None  # [B, L-1]: the values the Value stage predicted (critic)
+    packed: PackedInputs | None = None  # the sequences packed into rows (None: the model runs padded)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of the model's forward: the packed row, or the padded rows and their mask."""
+        if self.packed is not None:
+            return self.packed.model_inputs()
+        return {"input_ids": self.input_ids, "attention_mask": self.attention}
+
+    def targets(self) -> torch.Tensor:
+        """The next tokens, in the layout of the model's outputs: [P, W-1] packed, [B, L-1] padded."""
+        ids = self.packed.input_ids if self.packed is not None else self.input_ids
+        return ids[:, 1:]
+
+    def unpack(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-position model outputs ([P, W-1] packed, [B, L-1] padded) at the padded [B, L-1] layout."""
+        return values if values is None or self.packed is None else self.packed.unpack(values)
 
     @property
     def rows(self) -> int:
@@ -112,7 +265,7 @@ class TokenBatch:
     def to(self, device) -> TokenBatch:
         """Every tensor on `device` (copies issued non-blocking)."""
         return TokenBatch(**{name: None if value is None else value.to(device, non_blocking=True)
-                             for name, value in vars(self).items()})
+                             for name, value in vars(self).items()})  # PackedInputs.to too
 
 
 def trained_tokens(samples: dict, index: int) -> int:
@@ -125,12 +278,13 @@ def trained_tokens(samples: dict, index: int) -> int:
 
 
 def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional: tuple[str, ...] = (),
-                device=None) -> TokenBatch:
+                device=None, packed: bool = False, one_row: bool = False) -> TokenBatch:
     """A TokenBatch of `samples` (columns of equal length: prompt_token_ids, response_token_ids, and
     the per-token columns): the `required` TOKEN_COLUMNS, and each `optional` one when every sample
     carries it. A per-token value is one float per response (broadcast over its tokens) or one per
     response token; float32, overflowing to +-inf (the trainer's NaN guard then sees it) rather than
-    raising. `loss_masks` (optional, one 0/1 per response token): only the 1s are in `mask`."""
+    raising. `loss_masks` (optional, one 0/1 per response token): only the 1s are in `mask`. `packed`:
+    the sequences also packed into rows for the model (packed_inputs; `one_row`: one row of them all)."""
     import numpy as np
     import torch
 
@@ -174,5 +328,5 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     staleness = samples.get("staleness")
     staleness = torch.tensor([int(s) for s in (staleness if staleness is not None else [0] * rows)])  # [B]
     batch = TokenBatch(input_ids=input_ids, attention=attention, mask=mask, staleness=staleness, span=spans,
-                       **per_token)
+                       packed=packed_inputs(sequences, pad_id, one_row) if packed else None, **per_token)
     return batch.to(device) if device is not None else batch

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from operators.algorithms.batching import balanced_shards, length_sorted_chunks, trained_tokens
+from operators.algorithms.batching import balanced_shards, length_sorted_chunks, packed_chunks, trained_tokens
 
 
 def is_informative(row: dict) -> bool:
@@ -133,13 +133,14 @@ def mini_batch_parts(count: int, parts: int, seed: int, version: int, epoch: int
     return [part.tolist() for part in np.array_split(order, parts)]
 
 
-def micro_batch_chunks(samples: dict, budget: int) -> list[list[int]]:
-    """Sample indices per micro-batch on one rank: sorted by length, cut so that no micro-batch pads to
-    more than `budget` tokens (0: one batch, in arrival order). On long-tailed response lengths this
-    removes most padding: short responses no longer pad to the longest one. The ranks then even out
-    their counts (operators.algorithms.batching.split_to_count)."""
+def micro_batch_chunks(samples: dict, budget: int, packed: bool = False) -> list[list[int]]:
+    """Sample indices per micro-batch on one rank. Packed: at most `budget` tokens in all, first-fit
+    longest first (operators.algorithms.batching.packed_chunks). Padded: sorted by length, cut so that
+    no micro-batch pads to more than `budget` tokens (on long-tailed response lengths this removes most
+    padding: short responses no longer pad to the longest one). Either way 0 means one batch, in arrival
+    order. The ranks then even out their counts (operators.algorithms.batching.split_to_count)."""
     count = len(samples["response_token_ids"])
     if not budget:
         return [list(range(count))] if count else []
     lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
-    return length_sorted_chunks(lengths, budget)
+    return packed_chunks(lengths, budget) if packed else length_sorted_chunks(lengths, budget)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from operators.algorithms.batching import TokenBatch, split_to_count, token_batch, trained_tokens
+from operators.algorithms.batching import TokenBatch, check_packing, split_to_count, token_batch, trained_tokens
 from operators.algorithms.correction import mismatch_sums
 from operators.algorithms.loss_composition import StatSums, add_policy_stats, policy_token_loss, rank_aggregate
 from operators.algorithms.losses import entropy_from_logits, token_logprobs
@@ -79,6 +79,7 @@ class TrainWorker(StateIO):
         model = self._build_model(settings)
         self.engine = build_engine(torch, deepspeed, model, settings, config)
         self.pad_id = model.config.pad_token_id or 0
+        self._one_row = check_packing(model, settings.packing, self.SECTION)  # flash-attention: one packed row
         self._lm_head = chunkable_head(model)
         self._malloc_trim = libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
         # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
@@ -269,23 +270,23 @@ class TrainWorker(StateIO):
         gathered until the context exits (engine_steps.gathered_head); the model's own forward fetches it
         once more for the one position it computes."""
         torch, temperature, chunk = self.torch, self.settings.temperature, self.settings.logits_chunk_tokens
-        ids, attention = batch.input_ids, batch.attention
-        targets = ids[:, 1:]  # [B, L-1]
+        inputs, targets = batch.model_inputs(), batch.targets()  # targets [B, L-1] padded, [P, W-1] packed
         rows, positions = targets.shape
         if self._lm_head is not None and chunk and rows * positions > chunk:  # plumbing: memory, same numbers
-            out = self.engine(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
+            out = self.engine(**inputs, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H]: the last layer's (normed) state before each token
             with gathered_head(self.deepspeed, self._lm_head, self.settings.zero_stage):
-                yield chunked_logprobs(hidden, self._lm_head, targets, temperature, chunk, entropy_grad)
+                logprobs, entropy = chunked_logprobs(hidden, self._lm_head, targets, temperature, chunk, entropy_grad)
+                yield batch.unpack(logprobs), batch.unpack(entropy)  # [B, L-1] each (packed: unpacked per sequence)
             return
         # algorithm: log pi_theta at the sampling temperature
-        logits = self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature  # [B, L-1, V]
+        logits = self.engine(**inputs).logits[:, :-1].float() / temperature  # [B, L-1, V] ([P, W-1, V] packed)
         if entropy_grad:
-            yield token_logprobs(logits, targets), entropy_from_logits(logits)
+            yield batch.unpack(token_logprobs(logits, targets)), batch.unpack(entropy_from_logits(logits))
             return
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())  # [B, L-1], a metric only
-        yield token_logprobs(logits, targets), entropy
+            entropy = entropy_from_logits(logits.detach())  # a metric only
+        yield batch.unpack(token_logprobs(logits, targets)), batch.unpack(entropy)
 
     def _proximal_logprobs(self, samples: dict) -> list[np.ndarray]:
         """pi_prox: this rank's log-probs of every response token before the step's first update
@@ -307,23 +308,24 @@ class TrainWorker(StateIO):
         return mini_batch_parts(count, self.settings.mini_batches, self.settings.seed, self.version, epoch)
 
     def micro_batches(self, samples: dict) -> list[list[int]]:
-        """Sample indices per micro-batch: sorted by length, cut so that no micro-batch pads to more
-        than `micro_batch_tokens` tokens (0: one batch, in arrival order). On long-tailed response
-        lengths this removes most padding: short responses no longer pad to the longest one.
+        """Sample indices per micro-batch (step_batch.micro_batch_chunks): packed (`packing`), at most
+        `micro_batch_tokens` tokens each; padded, sorted by length and cut so that none pads to more than
+        that. 0: one batch, in arrival order.
 
         Every rank gets the same number of micro-batches: under ZeRO-3 each forward gathers parameters
         and each backward reduces gradients with the other ranks, so the passes must pair up. A rank
         with fewer splits its largest ones; one with fewer samples than passes pads with empty
         micro-batches ([]), which run a pass of zero weight."""
-        chunks = micro_batch_chunks(samples, self.settings.micro_batch_tokens)
+        chunks = micro_batch_chunks(samples, self.settings.micro_batch_tokens, self.settings.packing)
         if self.world_size > 1:
             chunks = split_to_count(chunks, self._max_over_ranks(len(chunks)))
         return chunks
 
     def _batch_tensors(self, samples: dict) -> TokenBatch:
         """The samples as a TokenBatch on this rank's device, with this role's PER_TOKEN columns and
-        those of its OPTIONAL_PER_TOKEN that every sample has."""
-        return token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device)
+        those of its OPTIONAL_PER_TOKEN that every sample has; packed into rows under `packing`."""
+        return token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device,
+                           packed=self.settings.packing, one_row=self._one_row)
 
     def _micro_batch_tensors(self, samples: dict):
         """Yield (indices, batch tensors, last) for each of `micro_batches(samples)`. An empty micro-batch

@@ -57,8 +57,9 @@ class ValueWorker(TrainWorker):
         )
 
     def values(self, batch: TokenBatch):
-        """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask)."""
-        return self.engine(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1, 0].float()
+        """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask); a packed
+        batch's values are unpacked per sequence."""
+        return batch.unpack(self.engine(**batch.model_inputs()).logits[:, :-1, 0].float())
 
     def _loss(self, part: dict, global_tokens: float, stats: StatSums):
         """Yield (loss, last) per micro-batch: the clipped value loss summed over its tokens, divided by this

@@ -792,10 +792,15 @@ class TrainConfig(_Section):
     )
     micro_batch_tokens: int = Field(
         0, ge=0,
-        description="Split each rank's samples, sorted by length, into micro-batches padded to at most this "
-        "many tokens (0: one batch). Cuts padding on long-tailed lengths, and each micro-batch runs its own "
-        "forward and backward (gradients accumulate to one optimizer step), so memory follows the micro-batch "
-        "while the step is unchanged.",
+        description="Split each rank's samples into micro-batches of at most this many tokens (0: one batch): "
+        "packed, their tokens in all (train.packing); padded, sorted by length and each padded to its longest. "
+        "Each micro-batch runs its own forward and backward (gradients accumulate to one optimizer step), so "
+        "memory follows the micro-batch while the step is unchanged.",
+    )
+    packing: bool = Field(
+        True, description="Pack each micro-batch's sequences into one row with position ids that restart at each "
+        "sequence (a block-diagonal causal mask, no padding) for the policy, the critic and the reference model; "
+        "the same loss and gradients as padded rows, without computing on padding. false: right-padded rows.",
     )
     logits_chunk_tokens: int = Field(
         2048, ge=0, description="Compute the log-probs and entropy of at most this many token positions "
@@ -953,7 +958,8 @@ class ReferenceConfig(_Section):
     resources: CustomResources = Field(default_factory=dict, description="Custom Ray resources per RefLogprob actor.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per RefLogprob actor.")
     micro_batch_tokens: int = Field(
-        4096, ge=1, description="Score sequences in length-sorted chunks of at most this many padded tokens."
+        4096, ge=1, description="Score sequences in chunks of at most this many tokens: packed into one row "
+        "(train.packing), or length-sorted and padded."
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="The reference model's dtype.")
 

@@ -23,6 +23,7 @@ POLICY_SETTINGS = {
     "lr": "train.lr", "betas": "train.betas", "weight_decay": "train.weight_decay", "grad_clip": "train.grad_clip",
     "zero_stage": "train.zero_stage", "dtype": "train.dtype", "seed": "train.seed",
     "torch_threads": "train.torch_threads", "micro_batch_tokens": "train.micro_batch_tokens",
+    "packing": "train.packing",
     "logits_chunk_tokens": "train.logits_chunk_tokens", "gradient_checkpointing": "train.gradient_checkpointing",
     "weight_bucket_mb": "train.weight_bucket_mb", "nan_policy": "train.nan_policy",
     "weight_timeout_s": "rollout.weight_timeout_s", "verify_weights_every": "rollout.verify_weights_every",
@@ -38,7 +39,7 @@ POLICY_SETTINGS = {
 # mini-batches), seed and NaN policy; none of the policy loss's settings (the critic's loss is its own).
 CRITIC_SETTINGS = {
     **{name: POLICY_SETTINGS[name] for name in (
-        "seed", "micro_batch_tokens", "gradient_checkpointing", "weight_bucket_mb", "nan_policy",
+        "seed", "micro_batch_tokens", "packing", "gradient_checkpointing", "weight_bucket_mb", "nan_policy",
         "zero3_persistence_threshold", "ppo_epochs", "mini_batches", "trust_remote_code")},
     "lr": "critic.lr", "grad_clip": "critic.grad_clip", "zero_stage": "critic.zero_stage",
     "torch_threads": "critic.torch_threads",

@@ -19,7 +19,7 @@ from operators.devices import DeviceError, choose_device, dist_backend
 from operators.algorithms.step_batch import explode
 from operators.workers.settings import LrSchedule
 from pipelines.config.load import load_config
-from samples import step_samples
+from samples import episode_samples, step_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1"]
@@ -119,6 +119,42 @@ def test_a_backward_per_micro_batch_equals_one_backward(tiny_model_path, zero_st
     _assert_same_step(whole, split)
 
 
+@pytest.mark.parametrize("zero_stage, episodes", [(0, True), (3, False)])
+def test_packed_micro_batches_give_the_padded_step(tiny_model_path, zero_stage, episodes):
+    """Packed micro-batches (train.packing, the default) change the layout, not the maths: loss, gradient
+    norm, entropy and weights equal the padded step's. ZeRO 0 on multi-turn episodes (observation tokens
+    and an all-observation episode) under a sequence-averaged loss with an entropy bonus; ZeRO 3 with the
+    head partitioned and log-probs in chunks of 2 positions (the chunks run on the packed rows)."""
+    samples = episode_samples(tiny_model_path) if episodes else explode(step_samples(tiny_model_path))
+    sets = [f"train.zero_stage={zero_stage}", "train.zero3_persistence_threshold=0", "train.micro_batch_tokens=20",
+            "algorithm.loss_aggregation=seq_mean_token_mean", "algorithm.entropy_coef=0.01"]
+    if zero_stage == 3:
+        sets += ["train.logits_chunk_tokens=2"]
+    padded = _step(tiny_model_path, samples, *sets, "train.packing=false")
+    packed = _step(tiny_model_path, samples, *sets)
+    assert packed[2].settings.packing and not padded[2].settings.packing
+    assert packed[0]["micro_batches"] >= 2
+    _assert_same_step(padded, packed)
+
+
+def test_packed_micro_batches_compute_on_fewer_token_slots(tiny_model_path, monkeypatch):
+    """What packing saves, counted: the token slots (rows x width) the model's forward runs on, packed
+    against padded, for the same step with one micro-batch, on long-tailed lengths (one response ten
+    tokens longer than the rest)."""
+    samples = explode(step_samples(tiny_model_path))
+    samples["response_token_ids"][0] = samples["response_token_ids"][0] * 6
+    samples["behavior_logprobs"][0] = samples["behavior_logprobs"][0] * 6
+    slots = {}
+    for packing in ("false", "true"):
+        worker = _worker(tiny_model_path, f"train.packing={packing}")
+        seen = []
+        worker.engine.module.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+        worker.train_step(samples, sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"]))
+        slots[packing] = sum(seen)
+    tokens = sum(len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"]))
+    assert tokens <= slots["true"] <= 0.7 * slots["false"], (tokens, slots)
+
+
 def test_chunked_logprobs_equal_the_full_ones(tiny_model_path):
     """The log-probs and entropy from the final hidden states in chunks of 1, 3 and 7 positions equal
     those of the full logits, and so do their gradients (the chunks are recomputed in backward)."""
@@ -197,13 +233,15 @@ def test_zero3_gathers_the_lm_head_once_per_micro_batch_for_all_its_chunks(tiny_
 
 @pytest.mark.parametrize("zero_stage, dtype", [(0, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
 def test_nonfinite_loss_in_a_later_micro_batch_drops_the_accumulated_gradients(tiny_model_path, zero_stage, dtype):
-    """The poisoned sample is the longest, so it lands in the last micro-batch, after others were
-    backwarded: the step is skipped, no weight moves, and the next step equals a fresh rank's first step
-    (no gradient of the skipped step was left behind)."""
+    """The poisoned sample lands in the last micro-batch, after others were backwarded: the step is
+    skipped, no weight moves, and the next step equals a fresh rank's first step (no gradient of the
+    skipped step was left behind)."""
+    from operators.algorithms.step_batch import micro_batch_chunks
+
     samples = explode(step_samples(tiny_model_path))
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"])
-    longest = max(range(count), key=lambda i: len(samples["prompt_token_ids"][i]) + len(samples["response_token_ids"][i]))
-    poisoned = {**samples, "advantages": [1e308 if i == longest else a for i, a in enumerate(samples["advantages"])]}
+    last = micro_batch_chunks(samples, 12, packed=True)[-1][0]  # the packed micro-batches' order
+    poisoned = {**samples, "advantages": [1e308 if i == last else a for i, a in enumerate(samples["advantages"])]}
     sets = [f"train.zero_stage={zero_stage}", "train.micro_batch_tokens=12", "train.zero3_persistence_threshold=0",
             f"train.dtype={dtype}"]
     worker = _worker(tiny_model_path, *sets)

@@ -43,6 +43,18 @@ def test_chunked_scoring_equals_one_batch(tiny_model_path):
     assert length_sorted_chunks([5, 1, 3, 9], budget=10) == [[1, 2], [0], [3]]  # sorted by length; 3 x 5 > 10 pads too much
 
 
+def test_packed_scoring_equals_padded(tiny_model_path):
+    """train.packing reaches the reference model: packed rows (the default) and padded ones give the same
+    log-probs, chunked or not."""
+    rows = generated(tiny_model_path, 0.7)
+    padded = RefLogprob(tiny_model_path, temperature=0.7, packing=False)(rows)["ref_logprobs"]
+    for budget in (10**6, 12):
+        packed = RefLogprob(tiny_model_path, temperature=0.7, micro_batch_tokens=budget)(rows)["ref_logprobs"]
+        for a, b in zip(padded, packed):
+            assert [len(x) for x in a] == [len(x) for x in b]
+            np.testing.assert_allclose(np.concatenate(b), np.concatenate(a), atol=1e-5)
+
+
 def test_reference_config_is_checked_up_front(tmp_path):
     assert load_config(None, ["reference.num_actors=2"]).reference.model_path is None  # the starting policy
     with pytest.raises(ConfigError) as err:
