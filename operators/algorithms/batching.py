@@ -55,29 +55,34 @@ def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices cut into packed micro-batches whose rows (packed_inputs: as wide as the micro-batch's
     longest sequence, filled first-fit longest first) hold at most `budget` token slots in all, rows x
     width, as a padded chunk of the same budget does (length_sorted_chunks): memory and attention follow
-    the budget either way, and a packed micro-batch carries more tokens in them. Sequences are taken
-    longest first, each into the first row it fits, else a new row while rows x width stays within the
-    budget, else the next micro-batch; a sequence longer than the budget gets one of its own. Each
-    micro-batch lists its indices in ascending order. `budget` 0: one micro-batch, in arrival order."""
+    the budget either way, and a packed micro-batch carries more tokens in them.
+
+    Each micro-batch starts from the longest sequence left, which sets its width; the others, longest
+    first, go into the first row they fit, else into a new row while rows x width stays within the
+    budget, else they wait for a later micro-batch (a shorter one may still fill a gap). A sequence
+    longer than the budget gets a micro-batch of its own. Each micro-batch lists its indices in
+    ascending order. `budget` 0: one micro-batch, in arrival order."""
     if not budget:
         return [list(range(len(lengths)))] if lengths else []
+    left = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     chunks: list[list[int]] = []
-    members: list[int] = []
-    loads: list[int] = []  # tokens per row of the micro-batch being filled
-    width = 0
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        length = lengths[index]
-        row = next((r for r, load in enumerate(loads) if load + length <= width), None)
-        if row is not None:
-            loads[row] += length
-        elif members and (len(loads) + 1) * width <= budget:
-            loads.append(length)
-        else:
-            if members:
-                chunks.append(sorted(members))
-            members, loads, width = [], [length], length
-        members.append(index)
-    return chunks + ([sorted(members)] if members else [])
+    while left:
+        width = lengths[left[0]]
+        members, loads, waiting = [left[0]], [width], []
+        for index in left[1:]:
+            length = lengths[index]
+            row = next((r for r, load in enumerate(loads) if load + length <= width), None)
+            if row is not None:
+                loads[row] += length
+            elif (len(loads) + 1) * width <= budget:
+                loads.append(length)
+            else:
+                waiting.append(index)
+                continue
+            members.append(index)
+        chunks.append(sorted(members))
+        left = waiting
+    return chunks
 
 
 def split_to_count(chunks: list[list[int]], count: int) -> list[list[int]]:

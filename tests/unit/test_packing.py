@@ -14,8 +14,8 @@ def test_packed_chunks_keep_rows_x_width_within_the_budget_and_carry_more_tokens
     lengths = [5, 1, 3, 9, 2, 4]
     packs = packed_chunks(lengths, 10)
     assert sorted(i for pack in packs for i in pack) == list(range(6))  # every sequence once
-    # 9 alone; 5 | 4 in two rows of 5; 3 | 2+1 in two rows of 3. Indices ascending.
-    assert packs == [[3], [0, 5], [1, 2, 4]]
+    # 9 alone (a second row of 9 would pass the budget); 5 | 4+1 in two rows of 5; 3 | 2. Indices ascending.
+    assert packs == [[3], [0, 1, 5], [2, 4]]
     for pack in packs:  # the rows packed_inputs lays out stay within the budget
         rows = packed_inputs([[7] * lengths[i] for i in pack])
         assert rows.input_ids.numel() <= 10
