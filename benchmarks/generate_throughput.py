@@ -1,7 +1,7 @@
 """Generation throughput of the Hugging Face and vLLM engines inside the `Generate` operator,
 and the latency of an in-place weight update, against model size.
 
-    python benchmarks/generate_throughput.py [--sizes small,large] [--engines hf,vllm]
+    python benchmarks/generate_throughput.py [--sizes small,large] [--engines hf,vllm] [--vllm-dtypes float32,bfloat16]
 
 Models are untrained Llamas built locally with the character tokenizer (no downloads).
 An untrained model ends a response when it happens to sample EOS, so response lengths
@@ -60,15 +60,16 @@ def prompts(count: int) -> pd.DataFrame:
     return pd.DataFrame({"prompt": rows, "group_uid": [f"g{i}" for i in range(count)]})
 
 
-def measure(engine: str, model_path: Path, groups: list[int], n: int, max_new_tokens: int, repeats: int) -> dict:
+def measure(engine: str, model_path: Path, groups: list[int], n: int, max_new_tokens: int, repeats: int,
+            dtype: str = "float32") -> dict:
     from operators.generate import Generate
 
     options = {"torch_threads": 2}
     if engine == "vllm":
-        options = {"gpu_memory_utilization": 0.2, "max_model_len": 512, "dtype": "float32"}
+        options = {"gpu_memory_utilization": 0.2, "max_model_len": 512, "dtype": dtype}
     start = time.perf_counter()
     op = Generate(str(model_path), engine=engine, n=n, max_new_tokens=max_new_tokens, engine_options=options)
-    result = {"engine": engine, "start_seconds": round(time.perf_counter() - start, 1), "batches": {}}
+    result = {"engine": engine, "dtype": dtype if engine == "vllm" else "float32", "start_seconds": round(time.perf_counter() - start, 1), "batches": {}}
     next(op(prompts(2)))  # warm-up call
     for size in groups:
         rates, lengths = [], []
@@ -114,23 +115,32 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", default="/tmp/streamrl-bench-models")
+    parser.add_argument("--vllm-dtypes", default="float32", help="vLLM compute dtypes to time (the HF engine: float32)")
+    parser.add_argument("--out", default="generate_throughput.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     groups = [int(g) for g in args.groups.split(",")]
     records = []
     for size in args.sizes.split(","):
         path, params = build_model(size, Path(args.models))
-        for engine in args.engines.split(","):
-            record = measure(engine, path, groups, args.n, args.max_new_tokens, args.repeats)
+        for engine, dtype in [(e, d) for e in args.engines.split(",")
+                              for d in (args.vllm_dtypes.split(",") if e == "vllm" else ["float32"])]:
+            record = measure(engine, path, groups, args.n, args.max_new_tokens, args.repeats, dtype)
             record.update(model=size, parameters=params)
             records.append(record)
             print(json.dumps(record), flush=True)
-    print(f"\n{'model':<8}{'params':>8} {'engine':<6}{'groups':>7}{'tok/s':>10}{'len mean/p90/max':>20}{'update s':>10}")
+    print(f"\n{'model':<8}{'params':>8} {'engine':<6}{'dtype':>9}{'groups':>7}{'tok/s':>10}{'len mean/p90/max':>20}{'update s':>10}")
     for r in records:
         for size, b in r["batches"].items():
-            print(f"{r['model']:<8}{r['parameters'] / 1e6:>7.1f}M {r['engine']:<6}{size:>7}{b['tokens_per_s']:>10.0f}"
+            print(f"{r['model']:<8}{r['parameters'] / 1e6:>7.1f}M {r['engine']:<6}{r['dtype']:>9}{size:>7}{b['tokens_per_s']:>10.0f}"
                   f"{b['response_length_mean']:>10.1f}/{b['response_length_p90']}/{b['response_length_max']:<5}"
                   f"{r['weight_update_seconds']:>10.4f}")
-    by_key = {(r["model"], r["engine"]): r for r in records}
+    by_key = {(r["model"], r["engine"]): r for r in records if r["dtype"] == "float32"}
+    for model in {r["model"] for r in records}:
+        rates = {r["dtype"]: r["batches"] for r in records if r["model"] == model and r["engine"] == "vllm"}
+        if "float32" in rates and "bfloat16" in rates:
+            print(f"{model} vLLM bfloat16 / float32 tokens/s (same run):",
+                  {size: round(rates["bfloat16"][size]["tokens_per_s"] / rates["float32"][size]["tokens_per_s"], 2)
+                   for size in groups})
     ratios = {
         f"{model} x{size}": round(by_key[(model, "vllm")]["batches"][size]["tokens_per_s"]
                                   / by_key[(model, "hf")]["batches"][size]["tokens_per_s"], 2)
@@ -139,7 +149,7 @@ def main() -> None:
     if ratios:
         print("vLLM / HF tokens/s (same run):", ratios)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "generate_throughput.json"
+    out = RESULTS / args.out
     out.write_text(json.dumps({
         "command": "python benchmarks/generate_throughput.py " + " ".join(
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()),

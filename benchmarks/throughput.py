@@ -69,6 +69,16 @@ MODES.update({
 })
 MODES["partial2_t2"] = dict(staleness=2, gen_threads=1, train_threads=2, in_flight=True, partial=True,
                             text="DAG, staleness 2, in-flight + partial rollout, generator 1 thread, trainer 2")
+# Issue 28: the trainer's layout and the CPU's dtype, mode by mode in one run. "_padded": right-padded
+# micro-batches (train.packing: false, the layout before packing); "_bf16": packed, the trainer in bf16
+# (ZeRO-1: DeepSpeed's bf16 needs it) and vLLM in bfloat16.
+BF16 = ["train.dtype=bf16", "train.zero_stage=1", "rollout.vllm.dtype=bfloat16"]
+for _base in ("plain", "sync", "inflight2", "partial2"):
+    MODES[f"{_base}_padded"] = dict(MODES[_base], sets=["train.packing=false"],
+                                    text=MODES[_base]["text"] + "; padded micro-batches")
+    MODES[f"{_base}_bf16"] = dict(MODES[_base], sets=BF16, text=MODES[_base]["text"] + "; bf16 trainer and vLLM")
+TRAINER = ["plain_padded", "inflight2_padded", "plain", "sync", "inflight2", "plain_bf16", "sync_bf16",
+           "inflight2_bf16", "partial2_bf16"]
 ABLATION = ["sync_call", "sync", "stream2_call", "inflight0", "inflight1", "inflight2", "partial1", "partial2",
             "partial4", "partial2_t2"]
 DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
@@ -89,6 +99,7 @@ def mode_config(mode: str, model_path: str, args):
         *([f"rollout.in_flight={str(spec['in_flight']).lower()}"] if "in_flight" in spec else []),
         # explicit both ways: partial rollout is the default for an in-flight vllm engine (issue 26, 4h)
         f"rollout.partial_rollout={str(bool(spec.get('partial'))).lower()}",
+        *spec.get("sets", []),
         *args.set,
     ]
     return load_config(CONFIG, overrides)
@@ -196,7 +207,7 @@ def run_one(mode: str, model_path: str, args) -> dict:
     cfg = mode_config(mode, model_path, args)
     start = time.time()
     run_id, figures = None, {}
-    if mode == "plain":
+    if mode.split("_")[0] == "plain":
         timelines = run_plain(cfg, model_path)
     else:
         timelines, run_id, figures = run_dag(cfg, args.ray_timeline and str(RESULTS / f"ray_timeline_{mode}.json"))
@@ -241,6 +252,21 @@ def summarise(results: dict[str, dict]) -> dict:
         ratio(variant, "sync_call")
         ratio(variant, "stream2_call")
     ratio("sync", "sync_call")
+    # issue 28: the trainer's work per token against the padded fp32 layout, and each async mode against the
+    # plain loop of the same layout and dtype (and of the layout before packing)
+    for name, r in results.items():
+        r["trainer_busy_s_per_step"] = r["trainer_busy_s"] / max(r["steps"], 1)
+        r["trainer_busy_s_per_1k_tokens"] = 1e3 * r["trainer_busy_s"] / max(r["generated_tokens"], 1)
+    for name in results:
+        for base in ("inflight2_padded", "plain_padded"):
+            if name != base and base in results and name.split("_")[0] == base.split("_")[0]:
+                ratios[f"{name}/{base} trainer busy per token"] = (results[name]["trainer_busy_s_per_1k_tokens"]
+                                                                   / results[base]["trainer_busy_s_per_1k_tokens"])
+    for suffix in ("", "_bf16", "_padded"):
+        for variant in ("sync", "inflight2", "partial2"):
+            ratio(f"{variant}{suffix}", f"plain{suffix}")
+            if suffix:
+                ratio(f"{variant}{suffix}", "plain_padded")
     if "sync" in results and "plain" in results:
         ratios["sync/plain window (framework overhead)"] = results["sync"]["window_s"] / results["plain"]["window_s"]
         ratios["sync/plain wall incl. start-up"] = results["sync"]["wall_s"] / results["plain"]["wall_s"]
@@ -248,16 +274,17 @@ def summarise(results: dict[str, dict]) -> dict:
 
 
 def print_table(results: dict[str, dict], ratios: dict) -> None:
-    print(f"\n{'mode':<12} {'samples/s':>9} {'tok/s':>7} {'window':>7} {'wall':>6} {'gen busy':>8} {'train busy':>10} "
+    print(f"\n{'mode':<16} {'samples/s':>9} {'tok/s':>7} {'window':>7} {'wall':>6} {'gen busy':>8} {'train busy':>10} "
           f"{'gen idle':>8} {'train idle':>10} {'overlap eff':>11} {'staleness (oldest token)':>26} {'spanning':>8} "
-          f"{'pause/update':>12}")
+          f"{'pause/update':>12} {'train s/step':>12} {'train s/1k tok':>14}")
     for mode, r in results.items():
         histogram = " ".join(f"{k}:{v}" for k, v in r.get("staleness_histogram", {}).items()) or "-"
         pause = f"{r['weight_pause_s_median'] * 1e3:.0f} ms" if "weight_pause_s_median" in r else "-"
-        print(f"{mode:<12} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>7.1f} {r['window_s']:>6.1f}s {r['wall_s']:>5.0f}s "
+        print(f"{mode:<16} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>7.1f} {r['window_s']:>6.1f}s {r['wall_s']:>5.0f}s "
               f"{r['generator_busy_s']:>7.1f}s {r['trainer_busy_s']:>9.1f}s {r['generator_idle_fraction']:>8.2f} "
               f"{r['trainer_idle_fraction']:>10.2f} {r['overlap_efficiency']:>11.2f} {histogram:>26} "
-              f"{r.get('groups_spanning_versions', '-'):>8} {pause:>12}")
+              f"{r.get('groups_spanning_versions', '-'):>8} {pause:>12} {r.get('trainer_busy_s_per_step', 0):>12.2f} "
+              f"{r.get('trainer_busy_s_per_1k_tokens', 0):>14.3f}")
     print()
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}x")
@@ -337,7 +364,8 @@ def main() -> None:
     if args.one:
         Path(args.out).write_text(json.dumps(run_one(args.one, model_path, args)))
         return
-    modes = [m.strip() for m in args.modes.replace("ablation", ",".join(ABLATION)).split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.replace("ablation", ",".join(ABLATION)).replace("trainer", ",".join(TRAINER)).split(",")
+             if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")

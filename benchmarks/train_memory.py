@@ -12,6 +12,7 @@ activations, logits, graphs) and the step's wall time.
 
     python benchmarks/train_memory.py                                  # -> results/train_memory.json, label "after"
     python benchmarks/train_memory.py --code ../old-checkout --label before --sizes 64,128,256
+    python benchmarks/train_memory.py --packing false --label padded --sizes 64,256    # padded micro-batches
 
 `--code` runs the trainer of another checkout (e.g. a commit before a change), with the same model,
 samples and settings. Runs one size at a time: do not run anything else beside it.
@@ -67,7 +68,7 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def child(model: str, count: int, budget: int, threads: int) -> dict:
+def child(model: str, count: int, budget: int, threads: int, packing: str = "true") -> dict:
     """One train step in this process (run by the parent with the checkout's code on sys.path)."""
     import resource
 
@@ -77,8 +78,11 @@ def child(model: str, count: int, budget: int, threads: int) -> dict:
     from pipelines.runtime.trainer_settings import trainer_settings
 
     samples = make_samples(count)
-    cfg = load_config(None, [f"train.micro_batch_tokens={budget}", f"train.torch_threads={threads}",
-                             "train.lr=1e-5", "rollout.max_new_tokens=2032"])
+    sets = [f"train.micro_batch_tokens={budget}", f"train.torch_threads={threads}", "train.lr=1e-5",
+            "rollout.max_new_tokens=2032"]
+    if packing != "default":  # a checkout from before train.packing existed has no such field
+        sets.append(f"train.packing={packing}")
+    cfg = load_config(None, sets)
     worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, model), None)
     # A first small step allocates what every step keeps (gradients, Adam's moments), so the measured
     # step's growth is what depends on the step: activations, logits, the graph.
@@ -104,14 +108,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--code", default=str(ROOT), help="the checkout whose trainer runs (default: this one)")
     parser.add_argument("--label", default="after")
+    parser.add_argument("--packing", default="true", choices=["true", "false", "default"],
+                        help="train.packing of the measured step (default: leave the checkout's default)")
     parser.add_argument("--model-dir", default="/tmp/streamrl-train-memory-llama110m")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable of the measured process, e.g. MALLOC_MMAP_THRESHOLD_=1048576")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        model, count, budget, threads = args.child
-        print(json.dumps(child(model, int(count), int(budget), int(threads))))
+        model, count, budget, threads, packing = args.child
+        print(json.dumps(child(model, int(count), int(budget), int(threads), packing)))
         return
     model = build_model(Path(args.model_dir))
     code = Path(args.code).resolve()
@@ -122,7 +128,7 @@ def main() -> None:
     for count in [int(size) for size in args.sizes.split(",")]:
         print(f"[{args.label}] {count} samples ...", flush=True)
         done = subprocess.run([sys.executable, __file__, "--child", str(model), str(count),
-                               str(args.micro_batch_tokens), str(args.threads)],
+                               str(args.micro_batch_tokens), str(args.threads), args.packing],
                               cwd=code, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-2000:], file=sys.stderr)
@@ -137,7 +143,8 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/train_memory.py", *sys.argv[1:]]),
         "code_commit": commit, "model": {**MODEL, "parameters": "~110M"},
         "lengths": {"prompt": PROMPT_TOKENS, "response_lognormal_median": MEDIAN, "sigma": SIGMA, "cap": CAP},
-        "micro_batch_tokens": args.micro_batch_tokens, "torch_threads": args.threads, "env": args.env,
+        "micro_batch_tokens": args.micro_batch_tokens, "packing": args.packing, "torch_threads": args.threads,
+        "env": args.env,
         "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
