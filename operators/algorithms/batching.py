@@ -16,6 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from operators.algorithms.columns import PaddedLayout, as_ragged, is_complete, per_token_values
+from operators.algorithms.columns import lengths as column_lengths
+
 if TYPE_CHECKING:
     import torch
 
@@ -158,8 +163,8 @@ class PackedInputs:
         return PackedInputs(**{name: value.to(device, non_blocking=non_blocking) for name, value in vars(self).items()})
 
 
-def packed_inputs(sequences: list[list[int]], pad_id: int = 0, one_row: bool = False) -> PackedInputs:
-    """`sequences` (token ids each, at least one token) packed into rows (PackedInputs).
+def packed_inputs(sequences: list, pad_id: int = 0, one_row: bool = False) -> PackedInputs:
+    """`sequences` (token ids each, a list or a numpy array, at least one token) packed into rows (PackedInputs).
 
     Rows are as wide as the longest sequence, W = L, each filled first-fit longest first, so a row holds
     several short sequences and the P rows are no more than the B padded ones would be. That bounds the
@@ -168,7 +173,6 @@ def packed_inputs(sequences: list[list[int]], pad_id: int = 0, one_row: bool = F
     with positions of its own (a sequence of its own, never read). `one_row`: one row of all the tokens,
     for flash-attention, whose varlen kernel computes each sequence's attention alone but reads packed
     sequences only from a batch of one row (transformers' _is_packed_sequence)."""
-    import numpy as np
     import torch
 
     lengths = [len(seq) for seq in sequences]
@@ -278,8 +282,18 @@ def trained_tokens(samples: dict, index: int) -> int:
     samples carry `loss_masks` (multi-turn episodes: observation tokens are the environment's)."""
     masks = samples.get("loss_masks")
     if masks is not None and masks[index] is not None:
-        return int(sum(masks[index]))
+        return int(np.sum(masks[index]))
     return len(samples["response_token_ids"][index])
+
+
+def trained_token_counts(samples: dict) -> np.ndarray:
+    """[N] int64: `trained_tokens` of every sample at once."""
+    counts = column_lengths(samples["response_token_ids"])
+    masks = samples.get("loss_masks")
+    if masks is None:
+        return counts
+    masks = as_ragged(masks, np.int64)
+    return np.where(masks.missing_rows(), counts, masks.row_sums()).astype(np.int64)
 
 
 def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional: tuple[str, ...] = (),
@@ -289,49 +303,61 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     carries it. A per-token value is one float per response (broadcast over its tokens) or one per
     response token; float32, overflowing to +-inf (the trainer's NaN guard then sees it) rather than
     raising. `loss_masks` (optional, one 0/1 per response token): only the 1s are in `mask`. `packed`:
-    the sequences also packed into rows for the model (packed_inputs; `one_row`: one row of them all)."""
-    import numpy as np
+    the sequences also packed into rows for the model (packed_inputs; `one_row`: one row of them all).
+
+    The columns are numpy (operators/algorithms/columns.py) or lists; each tensor is filled by one
+    scatter of the column's flat values, so nothing here runs per token in Python."""
     import torch
 
-    prompts, responses = samples["prompt_token_ids"], samples["response_token_ids"]
-    sequences = [list(p) + list(r) for p, r in zip(prompts, responses)]
-    rows, width = len(sequences), max(len(seq) for seq in sequences)
+    prompts = as_ragged(samples["prompt_token_ids"], np.int64)
+    responses = as_ragged(samples["response_token_ids"], np.int64)
     unknown = [name for name in (*required, *optional) if name not in TOKEN_COLUMNS]
     if unknown:
         raise ValueError(f"{unknown} are not TokenBatch columns; they are {list(TOKEN_COLUMNS)}")
     columns = list(required) + [name for name in optional
-                                if samples.get(name) is not None and all(v is not None for v in samples[name])]
+                                if samples.get(name) is not None and is_complete(samples[name])]
     missing = [name for name in required if samples.get(name) is None]
     if missing:
         raise ValueError(f"samples have no {', '.join(missing)} column")
-    per_token = {name: torch.zeros((rows, width - 1)) for name in columns}  # [B, L-1] each
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)  # [B, L]
-    attention = torch.zeros((rows, width), dtype=torch.long)  # [B, L]
-    mask = torch.zeros((rows, width - 1))  # [B, L-1]
+    layout = PaddedLayout(prompts, responses)
+    if (layout.prompt_len < 1).any():
+        raise ValueError(f"sample {int(np.argmin(layout.prompt_len))}: no prompt token (the first response "
+                         "token is predicted from the prompt's last)")
+    problems = []  # (sample, check order, message): the first sample's first problem is raised
+    trained = np.ones(layout.tokens, dtype=np.float32)  # [R]: 1 at each response token the loss trains
+    spans = None
     loss_masks = samples.get("loss_masks")
-    if loss_masks is not None and all(m is None for m in loss_masks):
-        loss_masks = None
-    spans = torch.zeros((rows, width - 1)) if loss_masks is not None else None  # [B, L-1]
-    for row, seq in enumerate(sequences):
-        prompt_len, response_len = len(prompts[row]), len(responses[row])
-        input_ids[row, : len(seq)] = torch.tensor(seq)
-        attention[row, : len(seq)] = 1
-        span = slice(prompt_len - 1, prompt_len - 1 + response_len)
-        mask[row, span] = 1.0
-        if spans is not None:
-            spans[row, span] = 1.0
-            if loss_masks[row] is not None:
-                if len(loss_masks[row]) != response_len:
-                    raise ValueError(f"sample {row}: {len(loss_masks[row])} loss_masks for {response_len} response tokens")
-                mask[row, span] = torch.tensor([float(m) for m in loss_masks[row]])
-        for name in columns:
-            with np.errstate(over="ignore"):
-                values = np.asarray(samples[name][row], dtype=np.float64).astype(np.float32)
-            if values.ndim and values.shape[0] != response_len:
-                raise ValueError(f"sample {row}: {values.shape[0]} {name} for {response_len} response tokens")
-            per_token[name][row, span] = torch.from_numpy(values) if values.ndim else float(values)
+    if loss_masks is not None:
+        loss_masks = as_ragged(loss_masks, np.float64)
+        present = ~loss_masks.missing_rows()
+        if present.any():
+            spans = layout.scatter(np.ones(layout.tokens, dtype=np.float32))
+            wrong = np.flatnonzero(present & (loss_masks.lengths != layout.response_len))
+            if wrong.size:
+                row = int(wrong[0])
+                problems.append((row, 0, f"sample {row}: {loss_masks.lengths[row]} loss_masks for "
+                                         f"{layout.response_len[row]} response tokens"))
+            else:
+                trained[np.repeat(present, layout.response_len)] = loss_masks.values
+    per_token = {}
+    for order, name in enumerate(columns, start=1):
+        values, row, count = per_token_values(samples[name], layout.response_len)
+        if values is None:
+            problems.append((row, order, f"sample {row}: {count} {name} for {layout.response_len[row]} response tokens"))
+            continue
+        with np.errstate(over="ignore"):
+            per_token[name] = layout.scatter(values.astype(np.float32))
+    if problems:
+        raise ValueError(min(problems)[2])
     staleness = samples.get("staleness")
-    staleness = torch.tensor([int(s) for s in (staleness if staleness is not None else [0] * rows)])  # [B]
-    batch = TokenBatch(input_ids=input_ids, attention=attention, mask=mask, staleness=staleness, span=spans,
-                       packed=packed_inputs(sequences, pad_id, one_row) if packed else None, **per_token)
+    staleness = np.zeros(layout.rows, dtype=np.int64) if staleness is None else np.array(staleness, dtype=np.int64)
+    input_ids = layout.input_ids(prompts, responses, pad_id)  # [B, L]
+    rows_packed = None
+    if packed:  # each sequence a view of its padded row
+        rows_packed = packed_inputs([input_ids[row, :length] for row, length in enumerate(layout.seq_len)],
+                                    pad_id, one_row)
+    batch = TokenBatch(input_ids=torch.from_numpy(input_ids), attention=torch.from_numpy(layout.attention()),
+                       mask=torch.from_numpy(layout.scatter(trained)), staleness=torch.from_numpy(staleness),
+                       span=None if spans is None else torch.from_numpy(spans), packed=rows_packed,
+                       **{name: torch.from_numpy(values) for name, values in per_token.items()})
     return batch.to(device) if device is not None else batch
