@@ -24,21 +24,28 @@ def step_samples(tokenizer_path: str) -> list[dict]:
     return rows
 
 
-def episode_samples(model_path: str) -> dict:
-    """The trainer test's samples as multi-turn episodes: each response is policy tokens, two observation
+def episode_rows(model_path: str) -> list[dict]:
+    """The trainer test's groups as multi-turn episodes: each response is policy tokens, two observation
     tokens (loss mask 0), then the rest; the first response of the second group is all observation (its
     episode's reset failed: nothing of it is trained)."""
-    samples = explode(step_samples(model_path))
-    masks, responses, behaviour = [], [], []
-    for index, (response, logprobs) in enumerate(zip(samples["response_token_ids"], samples["behavior_logprobs"])):
-        extended = response[:1] + [response[0], response[0]] + response[1:]  # two observation tokens after the first
-        mask = [1, 0, 0] + [1] * (len(response) - 1)
-        if index == 4:
-            mask = [0] * len(extended)
-        responses.append(extended)
-        masks.append(mask)
-        behaviour.append(logprobs[:1] + [0.0, 0.0] + logprobs[1:])  # an observation has no behaviour log-prob
-    return {**samples, "response_token_ids": responses, "loss_masks": masks, "behavior_logprobs": behaviour}
+    rows = step_samples(model_path)
+    for group, row in enumerate(rows):
+        masks, responses, behaviour = [], [], []
+        for index, (response, logprobs) in enumerate(zip(row["response_token_ids"], row["behavior_logprobs"])):
+            extended = response[:1] + [response[0], response[0]] + response[1:]  # two observation tokens after the first
+            mask = [1, 0, 0] + [1] * (len(response) - 1)
+            if (group, index) == (1, 0):
+                mask = [0] * len(extended)
+            responses.append(extended)
+            masks.append(mask)
+            behaviour.append(logprobs[:1] + [0.0, 0.0] + logprobs[1:])  # an observation has no behaviour log-prob
+        row.update(response_token_ids=responses, loss_masks=masks, behavior_logprobs=behaviour)
+    return rows
+
+
+def episode_samples(model_path: str) -> dict:
+    """episode_rows as the step's samples (explode's numpy columns)."""
+    return explode(episode_rows(model_path))
 
 
 def model_weights(model_path: str) -> dict:

@@ -3,17 +3,16 @@ the samples are dealt to the ranks (`shard`), and a rank cuts its shard into min
 step) and micro-batches (one per forward/backward). Also DAPO's dynamic sampling (`select_informative`), the
 step's loss normalisers and the critic's share of the samples.
 
-Pure functions on lists and dicts: the Train operator (operators/train.py) and the trainer ranks
-(operators/workers/train_worker.py) call them.
+Pure functions on dicts of columns (numpy, operators/algorithms/columns.py; plain lists work too): the Train
+operator (operators/train.py) and the trainer ranks (operators/workers/train_worker.py) call them.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
-from operators.algorithms.batching import balanced_shards, length_sorted_chunks, packed_chunks, trained_tokens
+from operators.algorithms.batching import balanced_shards, length_sorted_chunks, packed_chunks, trained_token_counts
+from operators.algorithms.columns import Ragged, lengths, take
 
 
 def is_informative(row: dict) -> bool:
@@ -36,38 +35,53 @@ def select_informative(rows: list[dict], count: int) -> tuple[list[dict], dict[s
     return sorted(kept, key=lambda row: order[id(row)]), dropped
 
 
-def explode(rows: list[dict]) -> dict[str, list]:
-    """Groups -> samples: one entry per response, in group order.
+def explode(rows: list[dict]) -> dict:
+    """Groups -> samples: one entry per response, in group order, in numpy columns
+    (operators/algorithms/columns.py): token ids, log-probs and every other per-token column are Ragged
+    (int64 ids and masks, float64 values), per-response values 1-D arrays.
 
-    An advantage stays a float (one per response) or a list (one per response token, e.g. GAE).
+    An advantage stays one per response (a float64 array) or becomes one per response token (Ragged, e.g.
+    GAE; in a step that mixes the two a float is spread over its response's tokens, which trains the same).
     `staleness` (train_step - policy_version; 0 for a row without it) goes with every sample, and
     `ref_logprobs` (one per response token) when the rows carry that column (None for a row
-    without it: the trainer refuses a KL term then); `returns` and `old_values` (the Value
-    stage's `values`), one per response token, when the rows carry returns (for the critic)."""
-    samples = defaultdict(list)
-    with_ref = any(row.get("ref_logprobs") is not None for row in rows)
-    with_masks = any(row.get("loss_masks") is not None for row in rows)
-    with_returns = all(row.get("returns") is not None for row in rows)
-    for row in rows:
-        for index, response in enumerate(row["response_token_ids"]):
-            samples["prompt_token_ids"].append(list(row["prompt_token_ids"]))
-            samples["response_token_ids"].append(list(response))
-            samples["behavior_logprobs"].append(list(row["behavior_logprobs"][index]))
-            advantage = row["advantages"][index]
-            samples["advantages"].append(float(advantage) if np.ndim(advantage) == 0 else
-                                         [float(value) for value in advantage])
-            samples["staleness"].append(response_staleness(row, index))
-            if with_masks:  # multi-turn: observation tokens carry no loss
-                masks = row.get("loss_masks")
-                samples["loss_masks"].append(None if masks is None else [int(m) for m in masks[index]])
-            if with_ref:
-                refs = row.get("ref_logprobs")
-                samples["ref_logprobs"].append(None if refs is None else [float(v) for v in refs[index]])
-            if with_returns:
-                samples["returns"].append([float(v) for v in row["returns"][index]])
-                samples["old_values"].append([float(v) for v in row["values"][index]])
-                samples["critic_version"].append(int(row.get("critic_version", -1)))
-    return dict(samples)
+    without it: the trainer refuses a KL term then); `loss_masks` likewise (None for a single-turn row in a
+    multi-turn step: every token trained); `returns` and `old_values` (the Value stage's `values`), one per
+    response token, and `critic_version` when the rows carry returns (for the critic)."""
+    sizes = [len(row["response_token_ids"]) for row in rows]
+    group = np.repeat(np.arange(len(rows)), sizes)  # [N]: each sample's row
+    responses = _responses(rows, sizes, "response_token_ids")
+    samples = {
+        "prompt_token_ids": Ragged.from_rows([row["prompt_token_ids"] for row in rows], np.int64).take(group),
+        "response_token_ids": Ragged.from_rows(responses, np.int64),
+        "behavior_logprobs": Ragged.from_rows(_responses(rows, sizes, "behavior_logprobs"), np.float64),
+        "advantages": _advantages(_responses(rows, sizes, "advantages"), responses),
+        "staleness": np.array([response_staleness(row, index) for row, size in zip(rows, sizes)
+                               for index in range(size)], dtype=np.int64),
+    }
+    if any(row.get("loss_masks") is not None for row in rows):  # multi-turn: observation tokens carry no loss
+        samples["loss_masks"] = Ragged.from_rows(_responses(rows, sizes, "loss_masks"), np.int64)
+    if any(row.get("ref_logprobs") is not None for row in rows):
+        samples["ref_logprobs"] = Ragged.from_rows(_responses(rows, sizes, "ref_logprobs"), np.float64)
+    if all(row.get("returns") is not None for row in rows):
+        samples["returns"] = Ragged.from_rows(_responses(rows, sizes, "returns"), np.float64)
+        samples["old_values"] = Ragged.from_rows(_responses(rows, sizes, "values"), np.float64)
+        samples["critic_version"] = np.repeat(np.array([int(row.get("critic_version", -1)) for row in rows],
+                                                       dtype=np.int64), sizes)
+    return samples
+
+
+def _responses(rows: list[dict], sizes: list[int], name: str) -> list:
+    """Column `name` of each row's responses, one entry per response (None for a row without the column)."""
+    return [None if row.get(name) is None else row[name][index] for row, size in zip(rows, sizes)
+            for index in range(size)]
+
+
+def _advantages(advantages: list, responses: list):
+    """One float per response (float64 [N]) when every advantage is one, else one per response token (Ragged)."""
+    if all(np.ndim(advantage) == 0 for advantage in advantages):
+        return np.array(advantages, dtype=np.float64)
+    return Ragged.from_rows([np.full(len(response), advantage, dtype=np.float64) if np.ndim(advantage) == 0
+                             else advantage for advantage, response in zip(advantages, responses)], np.float64)
 
 
 def split_critic_samples(samples: dict) -> dict:
@@ -86,8 +100,8 @@ def step_normalisers(samples: dict) -> tuple[int, int]:
     """The step's loss normalisers over all ranks: its trained tokens, and its responses with at least one
     (an episode whose every token is an observation trains nothing and is not counted, as the ranks' own
     count for several mini-batches leaves it out: operators.workers.train_worker.TrainWorker._global_counts)."""
-    counts = [trained_tokens(samples, i) for i in range(len(samples["response_token_ids"]))]
-    return sum(counts), sum(1 for count in counts if count)
+    counts = trained_token_counts(samples)
+    return int(counts.sum()), int(np.count_nonzero(counts))
 
 
 def token_masks(row: dict) -> list[list[int]]:
@@ -105,21 +119,25 @@ def response_staleness(row: dict, index: int) -> int:
     versions = row.get("token_policy_versions")
     if versions is None or "policy_version" not in row or not len(versions[index]):
         return staleness
-    return staleness + int(row["policy_version"]) - int(min(versions[index]))
+    return staleness + int(row["policy_version"]) - int(np.min(versions[index]))
 
 
-def shard(samples: dict[str, list], world_size: int, equal_counts: bool = False) -> list[dict[str, list]]:
+def sequence_lengths(samples: dict) -> list[int]:
+    """Prompt + response tokens of each sample (what a rank computes on)."""
+    return (lengths(samples["prompt_token_ids"]) + lengths(samples["response_token_ids"])).tolist()
+
+
+def shard(samples: dict, world_size: int, equal_counts: bool = False) -> list[dict]:
     """The step's samples dealt to the ranks by tokens (prompt + response, what a rank computes on):
     token counts within one sample of each other; `equal_counts` (several mini-batches per rank) keeps
-    the sample counts equal instead (operators.algorithms.batching.balanced_shards)."""
-    lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
-    return [{key: [values[i] for i in indices] for key, values in samples.items()}
-            for indices in balanced_shards(lengths, world_size, equal_counts)]
+    the sample counts equal instead (operators.algorithms.batching.balanced_shards). Each column is cut with
+    one gather (`subset`)."""
+    return [subset(samples, indices) for indices in balanced_shards(sequence_lengths(samples), world_size, equal_counts)]
 
 
 def subset(samples: dict, indices: list[int]) -> dict:
-    """The samples at `indices` (a column that is None stays None)."""
-    return {key: [values[i] for i in indices] if values is not None else None for key, values in samples.items()}
+    """The samples at `indices`, in that order, each column of the kind it was (a column that is None stays None)."""
+    return {key: take(values, indices) for key, values in samples.items()}
 
 
 def mini_batch_parts(count: int, parts: int, seed: int, version: int, epoch: int) -> list[list[int]]:
@@ -142,5 +160,5 @@ def micro_batch_chunks(samples: dict, budget: int, packed: bool = False) -> list
     count = len(samples["response_token_ids"])
     if not budget:
         return [list(range(count))] if count else []
-    lengths = [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
-    return packed_chunks(lengths, budget) if packed else length_sorted_chunks(lengths, budget)
+    counts = sequence_lengths(samples)
+    return packed_chunks(counts, budget) if packed else length_sorted_chunks(counts, budget)

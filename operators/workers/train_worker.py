@@ -21,7 +21,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from operators.algorithms.batching import TokenBatch, check_packing, split_to_count, token_batch, trained_tokens
+from operators.algorithms.batching import TokenBatch, check_packing, split_to_count, token_batch, trained_token_counts
+from operators.algorithms.columns import Ragged, is_complete
 from operators.algorithms.correction import mismatch_sums
 from operators.algorithms.loss_composition import StatSums, add_policy_stats, policy_token_loss, rank_aggregate
 from operators.algorithms.losses import entropy_from_logits, token_logprobs
@@ -134,7 +135,8 @@ class TrainWorker(StateIO):
         count = len(samples["advantages"])
         if not count:
             raise ValueError("train_step got no samples")
-        if settings.kl_coef > 0 and any(ref is None for ref in samples.get("ref_logprobs") or [None]):
+        refs = samples.get("ref_logprobs")
+        if settings.kl_coef > 0 and (refs is None or not len(refs) or not is_complete(refs)):
             raise ValueError(
                 f"algorithm.kl_coef is {settings.kl_coef} but samples carry no ref_logprobs (one reference "
                 "log-prob per response token); add the reference-model stage to the job or set algorithm.kl_coef: 0"
@@ -168,7 +170,7 @@ class TrainWorker(StateIO):
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),  # the first update's, before clipping
             "grad_norm_last": grad_norms[-1] if grad_norms else float("nan"),
             "optimizer_steps": len(grad_norms),
-            "num_tokens": sum(trained_tokens(samples, i) for i in range(count)),
+            "num_tokens": int(trained_token_counts(samples).sum()),
             "micro_batches": passes // max(len(losses), 1),  # forward/backward passes per optimizer step
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
@@ -232,6 +234,7 @@ class TrainWorker(StateIO):
         mini-batch's responses with tokens, over all ranks (an aggregation that averages over its own
         batch weighs each micro-batch by its share of them, so ranks of unequal size still add up)."""
         settings = self.settings
+        trains = trained_token_counts(part) > 0  # [part size]: responses with a trained token
         for indices, batch, last in self._micro_batch_tensors(part):
             # plumbing: open until this micro-batch's backward is done (under ZeRO-3 the LM head stays gathered)
             with self._logprobs(batch, entropy_grad=bool(settings.entropy_coef)) as (logprobs, entropy):  # [B, L-1] each
@@ -243,7 +246,7 @@ class TrainWorker(StateIO):
                 per_token_loss, loss_stats, (log_rho, truncated, masked) = policy_token_loss(
                     settings, logprobs, entropy, behavior, advantages, mask, proximal, batch.ref_logprobs)
                 # algorithm: aggregate so that micro-batches add up and ranks average to the global aggregate
-                part_valid = sum(1 for i in indices if trained_tokens(part, i))
+                part_valid = int(trains[indices].sum())
                 loss = rank_aggregate(settings.loss_aggregation, per_token_loss, mask, global_tokens, global_sequences,
                                       self.world_size, settings.max_new_tokens,
                                       share=part_valid * self.world_size / max(valid_sequences, 1))
@@ -288,16 +291,16 @@ class TrainWorker(StateIO):
             entropy = entropy_from_logits(logits.detach())  # a metric only
         yield batch.unpack(token_logprobs(logits, targets)), batch.unpack(entropy)
 
-    def _proximal_logprobs(self, samples: dict) -> list[np.ndarray]:
+    def _proximal_logprobs(self, samples: dict) -> Ragged:
         """pi_prox: this rank's log-probs of every response token before the step's first update
-        (no grad), one array per sample; needed when the step takes several optimizer steps."""
+        (no grad), one row per sample; needed when the step takes several optimizer steps."""
         proximal = [None] * len(samples["response_token_ids"])
         with self.torch.no_grad():
             for indices, batch, _ in self._micro_batch_tensors(samples):  # an empty one still runs its forward
                 with self._logprobs(batch) as (logprobs, _):  # no backward to wait for
                     for row, index in enumerate(indices):
                         proximal[index] = batch.at_response(logprobs, row).cpu().numpy().astype(np.float64)
-        return proximal
+        return Ragged.from_rows(proximal, np.float64)
 
     # --- batches over the ranks (plumbing around operators/algorithms/step_batch.py) -----------------
 
@@ -345,8 +348,8 @@ class TrainWorker(StateIO):
         """(valid tokens, responses with tokens) of each mini-batch summed over ranks: the
         normalisers of its loss, so that every optimizer step sees a global aggregate."""
         torch = self.torch
-        counts = torch.tensor([[float(sum(trained_tokens(samples, i) for i in part)),
-                                float(sum(1 for i in part if trained_tokens(samples, i)))]
+        trained = trained_token_counts(samples)  # [N]
+        counts = torch.tensor([[float(trained[part].sum()), float(np.count_nonzero(trained[part]))]
                                for part in parts], dtype=torch.float64, device=self.device)  # [M, 2]
         if self.world_size > 1:
             torch.distributed.all_reduce(counts)

@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from operators.algorithms.batching import TokenBatch, trained_tokens
+from operators.algorithms.batching import TokenBatch, trained_token_counts
+from operators.algorithms.columns import Ragged
 from operators.algorithms.loss_composition import StatSums
 from operators.workers.settings import TrainerSettings
 from operators.workers.train_worker import TrainWorker
@@ -85,7 +86,8 @@ class ValueWorker(TrainWorker):
         version (`critic_version` per sample), and how many it replaced. A collective under several ranks:
         every rank runs the forwards when any rank has a stale sample (their passes must pair up)."""
         versions = samples.get("critic_version")
-        stale = {i for i, version in enumerate(versions or []) if version is not None and 0 <= version != self.version}
+        stale = {i for i, version in enumerate(versions if versions is not None else [])
+                 if version is not None and 0 <= version != self.version}
         anyone = self._max_over_ranks(int(bool(stale))) if self.world_size > 1 else int(bool(stale))
         if not anyone:
             return samples, 0
@@ -95,8 +97,8 @@ class ValueWorker(TrainWorker):
                 values = self.values(batch)  # [B, L-1]
                 for row, index in enumerate(indices):
                     if index in stale:
-                        old_values[index] = batch.at_response(values, row).cpu().numpy().astype(np.float64).tolist()
-        return {**samples, "old_values": old_values}, len(stale)
+                        old_values[index] = batch.at_response(values, row).cpu().numpy().astype(np.float64)
+        return {**samples, "old_values": Ragged.from_rows(old_values, np.float64)}, len(stale)
 
     def train_step(self, samples: dict, global_tokens: int, global_sequences: int) -> dict:
         """One critic step on this rank's shard (`prompt_token_ids`, `response_token_ids`, and per response
@@ -125,7 +127,7 @@ class ValueWorker(TrainWorker):
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),
             "empty_updates": empty,
             "stale_values_refreshed": refreshed,  # samples whose V_old this critic recomputed
-            "num_tokens": sum(trained_tokens(samples, i) for i in range(count)),
+            "num_tokens": int(trained_token_counts(samples).sum()),
             "train_seconds": time.perf_counter() - start - publish_seconds,
             "publish_seconds": publish_seconds,
             **stats.means(),

@@ -122,7 +122,7 @@ def test_nonfinite_loss_is_skipped_or_stops_and_nan_weights_are_never_published(
     samples = explode(step_samples(tiny_model_path))
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"])
     # 1e308 is a finite reward-scale number in float64 and inf once cast to float32 for the loss.
-    poisoned = {**samples, "advantages": [1e308] + samples["advantages"][1:]}
+    poisoned = {**samples, "advantages": [1e308, *samples["advantages"][1:]]}
     store = create_policy_store("nan-test-store")
     worker = worker_factory(store=store)
     before = worker.state_dict()
@@ -138,7 +138,7 @@ def test_nonfinite_loss_is_skipped_or_stops_and_nan_weights_are_never_published(
     stopper = worker_factory(**{"train.nan_policy": "stop"})
     kept = stopper.state_dict()
     with pytest.raises(NonFiniteError, match="train.nan_policy: stop"):
-        stopper.train_step({**samples, "advantages": [float("nan")] + samples["advantages"][1:]}, tokens, count)
+        stopper.train_step({**samples, "advantages": [float("nan"), *samples["advantages"][1:]]}, tokens, count)
     for name, array in stopper.state_dict().items():
         np.testing.assert_array_equal(array, kept[name])
 

@@ -78,7 +78,7 @@ def test_critic_loss_is_half_the_mse_over_the_policys_tokens(tiny_model_path, mi
         trained = sum(sum(samples["loss_masks"][i]) for i in part)
         for i in part:
             prompt, response = samples["prompt_token_ids"][i], samples["response_token_ids"][i]
-            ids = torch.tensor([prompt + response])
+            ids = torch.tensor([[*prompt, *response]])
             values = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) + len(response) - 1, 0]
             mask = torch.tensor(samples["loss_masks"][i], dtype=torch.float32)
             returns = torch.tensor(samples["returns"][i])

@@ -14,7 +14,7 @@ from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.trainer_group import start_trainer_group
 from operators.algorithms.step_batch import explode, shard, step_normalisers
 from operators.weights import fetch
-from samples import episode_samples, step_samples
+from samples import episode_rows, episode_samples, step_samples
 
 
 
@@ -49,12 +49,14 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
     losses still add up to the one-rank step, for a token-normalised, a sequence-averaged and Dr. GRPO's
     loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's)."""
 
-    samples = episode_samples(tiny_model_path) if episodes else explode(step_samples(tiny_model_path))
-    long_response = samples["response_token_ids"][0] * 10  # one long response among short ones
-    samples["response_token_ids"][0] = long_response
-    samples["behavior_logprobs"][0] = [-1.0 - 0.05 * j for j in range(len(long_response))]
+    rows = episode_rows(tiny_model_path) if episodes else step_samples(tiny_model_path)
+    first = rows[0]
+    long_response = first["response_token_ids"][0] * 10  # one long response among short ones
+    first["response_token_ids"][0] = long_response
+    first["behavior_logprobs"][0] = [-1.0 - 0.05 * j for j in range(len(long_response))]
     if episodes:
-        samples["loss_masks"][0] = samples["loss_masks"][0] * 10
+        first["loss_masks"][0] = first["loss_masks"][0] * 10
+    samples = explode(rows)
     shards = shard(samples, 2)
     assert len(shards[0]["advantages"]) != len(shards[1]["advantages"])
     base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4",
@@ -134,7 +136,7 @@ def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[lis
     algo = cfg.algorithm
 
     def tensors(indices):
-        seqs = [samples["prompt_token_ids"][i] + samples["response_token_ids"][i] for i in indices]
+        seqs = [[*samples["prompt_token_ids"][i], *samples["response_token_ids"][i]] for i in indices]
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), model.config.pad_token_id or 0)
         attention = torch.zeros_like(ids)

@@ -141,9 +141,10 @@ def test_packed_micro_batches_compute_on_fewer_token_slots(tiny_model_path, monk
     """What packing saves, counted: the token slots (rows x width) the model's forward runs on, packed
     against padded, for the same step with one micro-batch, on long-tailed lengths (one response ten
     tokens longer than the rest)."""
-    samples = explode(step_samples(tiny_model_path))
-    samples["response_token_ids"][0] = samples["response_token_ids"][0] * 6
-    samples["behavior_logprobs"][0] = samples["behavior_logprobs"][0] * 6
+    rows = step_samples(tiny_model_path)
+    rows[0]["response_token_ids"][0] = rows[0]["response_token_ids"][0] * 6
+    rows[0]["behavior_logprobs"][0] = rows[0]["behavior_logprobs"][0] * 6
+    samples = explode(rows)
     slots = {}
     for packing in ("false", "true"):
         worker = _worker(tiny_model_path, f"train.packing={packing}")
