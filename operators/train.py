@@ -42,10 +42,11 @@ from operators.algorithms.step_batch import (
     shard,
     split_critic_samples,
     step_normalisers,
+    subset,
     token_masks,
 )
 from operators.durable import write_atomic
-from operators.tables import rollouts_table, to_parquet
+from operators.tables import StepRollouts, rollouts_table
 from operators.train_metrics import (
     critic_metrics,
     dynamic_sampling_metrics,
@@ -198,14 +199,18 @@ class Train:
         generated = [{**row, "staleness": step - int(row["policy_version"])} for row in rows]
         rows, dropped = self._select(generated)
         rows = self._whiten(rows)
-        results, critic_results = self._train(rows)
-        end = self._account_time(start, waited)
-        # Every generated group (what the policy did), with the advantages it trained on where `used`.
+        # Every generated group (what the policy did), with the advantages it trained on where `used`, as numpy
+        # columns once: the ranks train on the used groups' samples, the rollouts Parquet is written from all.
         trained_rows = {row["group_uid"]: row for row in rows}
-        table = rollouts_table([trained_rows.get(row["group_uid"], row) for row in generated], step, dropped)
+        step_rows = [trained_rows.get(row["group_uid"], row) for row in generated]
+        samples = explode(step_rows)
+        results, critic_results = self._train(self._used(samples, step_rows, trained_rows))
+        end = self._account_time(start, waited)
+        step_rollouts = rollouts_table(step_rows, step, dropped, samples)
+        table = step_rollouts.groups
         metrics = self._metrics(step, table, rows, dropped, results, critic_results, waited, start, end)
         self._record_in_ledger(table, trained=not metrics.get("nonfinite_skipped"))
-        rollouts = self._write_rollouts(table, step)
+        rollouts = self._write_rollouts(step_rollouts, step)
         self._keep_for_checkpoint(metrics, rollouts)
         checkpoint_start = time.perf_counter()
         checkpoint = self._checkpoint_or_stop(step, metrics)
@@ -234,12 +239,21 @@ class Train:
         whitened = whiten_over_step([row["advantages"] for row in rows], masks)
         return [{**row, "advantages": advantages} for row, advantages in zip(rows, whitened)]
 
-    def _train(self, rows: list[dict]) -> tuple[list[dict], list[dict]]:
-        """The step's samples sharded over the policy ranks (and the critic ranks), one train step each;
-        the ranks' results (policy, critic)."""
+    @staticmethod
+    def _used(samples: dict, step_rows: list[dict], trained_rows: dict) -> dict:
+        """The samples of the groups the update trains (explode's order: group after group)."""
+        used = np.array([row["group_uid"] in trained_rows for row in step_rows], dtype=bool)
+        if used.all():
+            return samples
+        sizes = [len(row["response_token_ids"]) for row in step_rows]
+        return subset(samples, np.flatnonzero(np.repeat(used, sizes)))
+
+    def _train(self, samples: dict) -> tuple[list[dict], list[dict]]:
+        """The step's samples (explode's columns) sharded over the policy ranks (and the critic ranks), one
+        train step each; the ranks' results (policy, critic)."""
         import ray
 
-        samples = explode(rows)
+        samples = dict(samples)  # split_critic_samples takes the critic's columns out
         critic_samples = split_critic_samples(samples)
         shards = shard(samples, len(self.workers), equal_counts=self.mini_batches > 1)
         global_tokens, global_sequences = step_normalisers(samples)
@@ -291,10 +305,10 @@ class Train:
                     "stopping. Lower train.lr, check the rewards, or raise train.max_nan_skips"
                 )
 
-    def _write_rollouts(self, table: pd.DataFrame, step: int) -> dict:
+    def _write_rollouts(self, step_rollouts: StepRollouts, step: int) -> dict:
         """The step's rollouts for its row: Parquet bytes, or with a rollouts_dir the path of the file
         written there (atomically, before the step's checkpoint and row)."""
-        rollouts = {"rollouts_parquet": to_parquet(table)}
+        rollouts = {"rollouts_parquet": step_rollouts.to_parquet()}
         if self.rollouts_dir is not None:
             path = self.rollouts_dir / f"step_{step + 1:06d}.parquet"  # the step as users count it
             write_atomic(path, rollouts.pop("rollouts_parquet"), what=f"the rollouts of step {step + 1}")

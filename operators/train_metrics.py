@@ -61,8 +61,8 @@ def episode_metrics(table: pd.DataFrame) -> dict:
     if "num_turns" not in table.columns:
         return {}
     turns = np.concatenate([np.asarray(t, dtype=float) for t in table["num_turns"]])
-    policy = sum(sum(sum(mask) for mask in masks) for masks in table["loss_masks"]) if "loss_masks" in table else 0
     tokens = sum(sum(lengths) for lengths in table["response_lengths"])
+    policy = sum(int(np.sum(mask)) for masks in table["loss_masks"] for mask in masks) if "loss_masks" in table else 0
     ends = [end for cell in table["episode_ends"] for end in cell]
     return {
         "turns_mean": float(turns.mean()),
