@@ -299,15 +299,28 @@ class WeightSender:
             group = self._groups[engine_id][1]
             header, layout = verified if engine_id in checked else plain
             works[engine_id] = post_version(group, header, layout, payload, self.timeout_s)
+        failed = {}
         for engine_id, pending in works.items():
             for what, work in zip(["header", "layout"] + [f"bucket {i}" for i in range(len(payload))], pending):
                 try:
                     work.wait()
                 except Exception as err:
+                    failed[engine_id] = (what, err)
+                    break
+        if failed:
+            # An engine that closed (its generate actor's data ran out) leaves the plane before it shuts down, but a
+            # version may already be on its way: the broadcast then fails, and is no fault. One still registered died.
+            registered = ray.get(self.store.engines.remote(), timeout=self.timeout_s)
+            for engine_id, (what, err) in failed.items():
+                if engine_id in registered:
                     raise WeightTransferError(
                         f"sending policy version {version} to engine {engine_id}: its {what} was not received "
                         f"within {self.timeout_s:.0f}s (rollout.weight_timeout_s) or its engine died: {err}"
                     ) from err
+                logger.info("engine %s left the weight plane during version %d; dropped", engine_id, version)
+                self._groups.pop(engine_id, None)
+            engine_ids = [e for e in engine_ids if e not in failed]
+            checked = [e for e in checked if e not in failed]
         seconds = time.perf_counter() - start
         self._verified.update(checked)
         for engine_id in engine_ids:

@@ -159,3 +159,60 @@ def test_bf16_digests_match_the_bytes_that_travel(weights):
     assert applied_mismatches(holder, digests, {"model.norm.weight": "bfloat16"}) == (1, [])
     holder.model.norm.weight.data[0] += 0.5  # a weight the trainer never sent
     assert applied_mismatches(holder, digests, {"model.norm.weight": "bfloat16"}) == (1, ["model.norm.weight (applied)"])
+
+
+RECEIVER = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from operators.weight_plane import WIRE_PREFIX, receive_version
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+group = ProcessGroupGloo(PrefixStore(WIRE_PREFIX, store), 1, 2, timedelta(seconds=60))
+print("got", receive_version(group, 60)[0], flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+def test_an_engine_that_leaves_mid_version_is_dropped_and_one_that_dies_fails_the_plane(ray_cluster, weights, leaves):
+    """A bare gloo receiver (one engine worker in a process of its own) takes version 1; version 2 is on its way
+    when the process ends. Having left the plane first (what a closing generate actor does when its data runs
+    out: found on the real model, where the job failed at its last update), it is dropped and later versions go
+    on; still registered (a crash), the sender fails the plane, naming the engine."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    from operators.weight_plane import WeightSender, WeightTransferError
+    from pipelines.runtime.policy_store import PolicyStore
+
+    store = PolicyStore.remote(0)  # a store of its own: a failed plane stays failed
+    child = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        port = int(child.stdout.readline())
+        ray.get(store.register_engine.remote("fake", {"host": "127.0.0.1", "port": port, "workers": 1}))
+        sender = WeightSender(store, timeout_s=60)
+        buckets = buckets_of(weights)
+        sender.send(1, buckets)
+        assert child.stdout.readline().split() == ["got", "1"]
+        sender.send(2, buckets)
+        time.sleep(1.0)  # version 2 is posted to the engine's group
+        if leaves:
+            ray.get(store.unregister_engine.remote("fake"))
+        child.kill()
+        child.wait()
+        if leaves:
+            sender.flush()
+            sender.send(3, buckets)
+            sender.flush()
+            assert [r["version"] for r in sender.records] == [1, 2] and sender.records[-1]["engines"] == 0
+        else:
+            with pytest.raises(WeightTransferError, match="version 2 to engine fake"):
+                sender.flush()
+        sender.close()
+    finally:
+        child.kill()
