@@ -277,17 +277,9 @@ class TokenBatch:
                              for name, value in vars(self).items()})  # PackedInputs.to too
 
 
-def trained_tokens(samples: dict, index: int) -> int:
-    """Response tokens of sample `index` that the loss trains: all of them, or the policy's only when the
-    samples carry `loss_masks` (multi-turn episodes: observation tokens are the environment's)."""
-    masks = samples.get("loss_masks")
-    if masks is not None and masks[index] is not None:
-        return int(np.sum(masks[index]))
-    return len(samples["response_token_ids"][index])
-
-
 def trained_token_counts(samples: dict) -> np.ndarray:
-    """[N] int64: `trained_tokens` of every sample at once."""
+    """[N] int64: the response tokens of each sample that the loss trains: all of them, or the policy's only
+    where the sample carries a loss mask (multi-turn episodes: observation tokens are the environment's)."""
     counts = column_lengths(samples["response_token_ids"])
     masks = samples.get("loss_masks")
     if masks is None:

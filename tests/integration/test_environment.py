@@ -133,10 +133,10 @@ def test_observation_tokens_carry_no_loss_weight(tiny_model_path):
     from test_trainer_device import _worker
 
     def step(samples):
-        from operators.algorithms.batching import trained_tokens
+        from operators.algorithms.batching import trained_token_counts
 
         worker = _worker(tiny_model_path)
-        tokens = sum(trained_tokens(samples, i) for i in range(len(samples["response_token_ids"])))
+        tokens = int(trained_token_counts(samples).sum())
         result = worker.train_step(samples, tokens, 2)
         return result, worker.state_dict()
 
