@@ -42,8 +42,17 @@ class Chain:
             yield from self._run(index + 1, part)
 
     def close(self) -> None:
-        """Close the stages that hold resources (an engine, a reward sandbox)."""
-        for stage in self.stages:
+        """Close the stages that hold resources (an engine, a reward sandbox), in order, each once."""
+        stages, self.stages = self.stages, []
+        for stage in stages:
             close = getattr(stage, "close", None)
             if callable(close):
                 close()
+
+    def __del__(self):
+        # Ray Data drops its map actor's callable when it ends the actor (its input ran out, or the pool shrank):
+        # the stages close then, in order (a generate engine leaves the weight plane before it shuts down)
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -53,6 +53,12 @@ from operators.weights import received_async
 
 logger = logging.getLogger(__name__)
 
+# The watcher asks the store for the next version in polls this long, never in one call pending until it comes:
+# Ray ends an actor whose handles were dropped (Ray Data's, when its input runs out) only after the calls it made
+# return, so a call pending for the next version kept the actor from closing its engine (pipelines/runtime/
+# policy_store.py `poll_version`).
+WATCH_POLL_S = 1.0
+
 
 class RolloutLoop(MultiTurnEpisodes):
     def __init__(
@@ -257,11 +263,14 @@ class RolloutLoop(MultiTurnEpisodes):
         plane = getattr(self.engine, "engine_id", None)
         try:
             while plane:  # the weight plane: the bytes are already here, staged by the engine's receivers
-                version = await self.store.wait_delivered.remote(plane, self.version + 1)
+                version = await self.store.wait_delivered.remote(plane, self.version + 1, WATCH_POLL_S)
+                if version is None:  # short polls: no call stays pending when the actor is asked to exit
+                    continue
                 record = await self._swap(version, int(version), pull_s=0.0, prepare_s=0.0)
                 self.store.record_load.remote(self.name, dict(vars(record)))  # no reply awaited
             while True:
-                await self.store.wait_for.remote(self.version + 1)
+                if await self.store.poll_version.remote(self.version + 1, WATCH_POLL_S) is None:
+                    continue
                 start = time.perf_counter()
                 version, (weights_ref,) = await self.store.get_latest.remote()
                 if version <= self.version or weights_ref is None:

@@ -67,11 +67,16 @@ class PolicyStore:
             self.deliveries[engine_id] = max(version, self.deliveries.get(engine_id, version))
             self.delivered_changed.notify_all()
 
-    async def wait_delivered(self, engine_id: str, min_version: int, timeout_s: float | None = None) -> int:
-        """Block until `engine_id` holds a version >= min_version; that version."""
+    async def wait_delivered(self, engine_id: str, min_version: int, timeout_s: float | None = None) -> int | None:
+        """Block until `engine_id` holds a version >= min_version; that version, or None when `timeout_s` passed
+        first (engines poll: see `poll_version`)."""
         async with self.delivered_changed:
-            await asyncio.wait_for(self.delivered_changed.wait_for(
-                lambda: self.plane_failure is not None or self.deliveries.get(engine_id, -1) >= min_version), timeout_s)
+            try:
+                await asyncio.wait_for(self.delivered_changed.wait_for(
+                    lambda: self.plane_failure is not None or self.deliveries.get(engine_id, -1) >= min_version),
+                    timeout_s)
+            except asyncio.TimeoutError:
+                return None
             if self.plane_failure is not None:
                 raise WeightTransferError(self.plane_failure)
             return self.deliveries[engine_id]
@@ -90,6 +95,21 @@ class PolicyStore:
         """Block until a version >= min_version exists; return the latest version."""
         async with self.changed:
             await asyncio.wait_for(self.changed.wait_for(lambda: self.version >= min_version), timeout_s)
+            return self.version
+
+    async def poll_version(self, min_version: int, timeout_s: float) -> int | None:
+        """The latest version once one >= min_version exists, or None after `timeout_s`.
+
+        A generator's weight watcher waits in short polls, never in one call that lasts until the next version:
+        Ray ends an actor whose handles were dropped (Ray Data does so to a map actor whose input ran out) only
+        after the calls it made return, and SIGKILLs it 5 s later. A call pending until the next version kept
+        the generate actor from closing: its engine never left the weight plane, and the trainer's next
+        broadcast failed on the dead engine."""
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.version >= min_version), timeout_s)
+            except asyncio.TimeoutError:
+                return None
             return self.version
 
     async def get_latest(self) -> tuple[int, list]:

@@ -216,3 +216,43 @@ def test_an_engine_that_leaves_mid_version_is_dropped_and_one_that_dies_fails_th
         sender.close()
     finally:
         child.kill()
+
+
+def test_a_generate_actor_whose_input_ran_out_leaves_the_plane_and_later_versions_go_on(ray_cluster, tiny_model_path,
+                                                                                        weights):
+    """Ray Data ends a map actor whose input ran out by dropping its handles; Ray then lets the actor finish the
+    calls it made, runs its shutdown (our Generate closes: its engine leaves the plane) and SIGKILLs it 5 s later.
+    A watcher call pending until the next version used to outlast that: the engine died still registered and the
+    trainer's next version failed the job (the real model's job failed at its last update). Here a Generate stage
+    in a Ray Data job takes one version, runs out of input, and must leave the plane; versions sent after it go on."""
+    import pandas as pd
+    import ray
+    from ray.data import ActorPoolStrategy
+
+    from operators.generate import Generate
+    from operators.weight_plane import WeightSender
+    from pipelines.runtime.policy_store import PolicyStore
+
+    store = PolicyStore.remote(0)
+    sender = WeightSender(store, timeout_s=60)
+    buckets = buckets_of(weights)
+    sender.send(1, buckets)  # an engine that joins gets it
+    try:
+        prompts = pd.DataFrame({"prompt": ["1+2=", "3+4="], "train_step": [1, 1], "group_uid": ["a", "b"]})
+        rows = ray.data.from_pandas(prompts).map_batches(
+            Generate, batch_size=1, batch_format="pandas", compute=ActorPoolStrategy(size=1), num_cpus=0.25,
+            fn_constructor_kwargs=dict(
+                model_path=tiny_model_path, engine="vllm", n=2, max_new_tokens=4, policy_store=store, in_flight=True,
+                partial_rollout=True, engine_options={"gpu_memory_utilization": 0.2, "max_model_len": 64,
+                                                      "weight_transfer": "gloo", "weight_timeout_s": 60})).take_all()
+        assert sorted(row["group_uid"] for row in rows) == ["a", "b"]
+        assert {row["policy_version"] for row in rows} == {1}  # it joined the plane and applied version 1
+        deadline = time.time() + 60
+        while ray.get(store.engines.remote()) and time.time() < deadline:
+            time.sleep(0.5)
+        assert ray.get(store.engines.remote()) == {}, "the ended generate actor's engine is still on the plane"
+        sender.send(2, buckets)
+        sender.flush()  # no engine to fail on: it goes nowhere
+        assert [(r["version"], r["engines"]) for r in sender.records] == [(1, 1)]
+    finally:
+        sender.close()
