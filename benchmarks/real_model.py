@@ -3,6 +3,8 @@ log-probs at the start?
 
     python benchmarks/real_model.py learn configs/smollm2_basic_arithmetic.yaml
     python benchmarks/real_model.py mismatch configs/smollm2_basic_arithmetic.yaml
+    python benchmarks/real_model.py learn configs/smollm2_basic_arithmetic.yaml --name smollm2_basic_arithmetic_bf16 \
+        --set output_dir=runs/smollm2_bf16 --set train.dtype=bf16 --set train.zero_stage=1 --set rollout.vllm.dtype=bfloat16
 
 `learn` runs the config as `streamrl run` does (in this process), then draws the held-out accuracy
 (eval/greedy_success_rate and eval/success_rate, greedy and sampled, per policy version) and the training reward per
@@ -49,16 +51,18 @@ def _machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def learn(config: str, overrides: list[str]) -> dict:
+def learn(config: str, overrides: list[str], name: str | None = None) -> dict:
     cfg, result, wall = _job(config, overrides)
     evals = result.eval_metrics.sort_values("step").reset_index(drop=True)  # step v: policy version v
-    name = Path(config).stem
+    name = name or Path(config).stem
     picture = RESULTS / f"{name}_learning.png"
     _plot(result.metrics, evals, picture, title=f"{name}: {cfg.model.path} on {cfg.data.path}")
     key = "eval/greedy_success_rate" if "eval/greedy_success_rate" in evals.columns else "eval/success_rate"
     first, last, best = float(evals[key].iloc[0]), float(evals[key].iloc[-1]), float(evals[key].max())
     record = {
-        "command": f"python benchmarks/real_model.py learn {config}" + "".join(f" --set {o}" for o in overrides),
+        "command": f"python benchmarks/real_model.py learn {config}" + (f" --name {name}" if name != Path(config).stem
+                                                                         else "")
+                   + "".join(f" --set {o}" for o in overrides),
         **_machine(), "run_id": result.run_id, "wall_s": round(wall, 1), "steps": int(len(result.metrics)),
         "accuracy_metric": key, "accuracy_step0": first, "accuracy_last": last, "accuracy_best": best,
         "rise_last": round(last - first, 4), "rise_best": round(best - first, 4),
@@ -127,8 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("what", choices=["learn", "mismatch"])
     parser.add_argument("config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE, as streamrl run")
+    parser.add_argument("--name", help="learn: the results' file stem (default: the config's), for a variant such as "
+                                       "another dtype")
     args = parser.parse_args(argv)
-    (learn if args.what == "learn" else mismatch)(args.config, args.overrides)
+    if args.what == "learn":
+        learn(args.config, args.overrides, args.name)
+    else:
+        mismatch(args.config, args.overrides)
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn

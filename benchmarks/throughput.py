@@ -17,6 +17,12 @@ and tokens/s over the steady window (first generate start -> last train end), th
 wall time including start-up, trainer and generator idle fractions and the overlap
 efficiency (pipelines/tracking/timeline.py). Writes benchmarks/results/throughput.json and
 throughput.png and logs both, with every figure, to MLflow (runs/bench/mlflow.db).
+
+On the real model (SmolLM2-135M-Instruct on reasoning-gym, configs/smollm2_basic_arithmetic.yaml,
+evaluation off):
+
+    python benchmarks/throughput.py --size smollm2 --engine vllm --steps 6 --modes real_ablation \
+        --name throughput_smollm2
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -81,7 +89,12 @@ TRAINER = ["plain_padded", "inflight2_padded", "plain", "sync", "inflight2", "pl
            "inflight2_bf16", "partial2_bf16"]
 ABLATION = ["sync_call", "sync", "stream2_call", "inflight0", "inflight1", "inflight2", "partial1", "partial2",
             "partial4", "partial2_t2"]
+# Issue 28 on the real model (--size smollm2): the ablation on SmolLM2-135M-Instruct and reasoning-gym.
+REAL_ABLATION = ["sync", "inflight1", "inflight2", "partial2", "partial4"]
 DEFAULT_MODES = ["plain", "sync", "stream0", "stream1", "stream2"]
+# Real pretrained models (--size): the job's own config (its data, chat template, rewards, lengths), evaluation
+# off; the builtin is converted once, no download.
+REAL_SIZES = {"smollm2": (ROOT / "configs" / "smollm2_basic_arithmetic.yaml", "builtin:smollm2-135m-instruct")}
 
 
 def mode_config(mode: str, model_path: str, args):
@@ -100,9 +113,14 @@ def mode_config(mode: str, model_path: str, args):
         # explicit both ways: partial rollout is the default for an in-flight vllm engine (issue 26, 4h)
         f"rollout.partial_rollout={str(bool(spec.get('partial'))).lower()}",
         *spec.get("sets", []),
+        *(["eval=null", "train.checkpoint_every=1000", "output_dir=runs/bench-real"] if args.size in REAL_SIZES else []),
         *args.set,
     ]
-    return load_config(CONFIG, overrides)
+    return load_config(config_of(args.size), overrides)
+
+
+def config_of(size: str) -> Path:
+    return REAL_SIZES[size][0] if size in REAL_SIZES else CONFIG
 
 
 def run_plain(cfg, model_path: str) -> list[dict]:
@@ -227,6 +245,19 @@ def run_one(mode: str, model_path: str, args) -> dict:
 
 
 def build_bench_model(size: str) -> tuple[str, int]:
+    if size in REAL_SIZES:
+        from types import SimpleNamespace
+
+        from safetensors import safe_open
+
+        from pipelines.data.models import resolve_model_path
+
+        path = resolve_model_path(SimpleNamespace(path=REAL_SIZES[size][1], revision=None))
+        params = 0
+        for file in Path(path).glob("*.safetensors"):
+            with safe_open(str(file), "np") as weights:
+                params += sum(int(np.prod(weights.get_slice(name).get_shape())) for name in weights.keys())
+        return path, params
     from generate_throughput import build_model  # an untrained Llama with the character tokenizer
 
     path, params = build_model(size, Path.home() / ".cache" / "streamrl" / "bench-models")
@@ -350,9 +381,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
-    parser.add_argument("--size", default="medium", help="model size from generate_throughput.SIZES")
+    parser.add_argument("--size", default="medium",
+                        help=f"model size from generate_throughput.SIZES, or a real model: {', '.join(REAL_SIZES)}")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help=f"any of {', '.join(MODES)}; 'ablation' = {','.join(ABLATION)} (engine vllm)")
+                        help=f"any of {', '.join(MODES)}; 'ablation' = {','.join(ABLATION)} (engine vllm); "
+                             f"'trainer' = {','.join(TRAINER)}; 'real_ablation' = {','.join(REAL_ABLATION)}")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every mode")
     parser.add_argument("--name", default="throughput", help="results file stem")
     parser.add_argument("--ray-timeline", action="store_true", help="also dump Ray's trace per DAG mode")
@@ -364,7 +397,8 @@ def main() -> None:
     if args.one:
         Path(args.out).write_text(json.dumps(run_one(args.one, model_path, args)))
         return
-    modes = [m.strip() for m in args.modes.replace("ablation", ",".join(ABLATION)).replace("trainer", ",".join(TRAINER)).split(",")
+    groups = {"real_ablation": REAL_ABLATION, "ablation": ABLATION, "trainer": TRAINER}
+    modes = [m.strip() for part in args.modes.split(",") for m in groups.get(part.strip(), [part])
              if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -392,7 +426,7 @@ def main() -> None:
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
         "settings": {"engine": args.engine, "model_size": args.size, "params": params, "steps": args.steps,
-                     "overrides": " ".join(args.set) or "-", "config": str(CONFIG.relative_to(ROOT))},
+                     "overrides": " ".join(args.set) or "-", "config": str(config_of(args.size).relative_to(ROOT))},
         "modes": results, "ratios": ratios,
     }
     json_path, png_path = RESULTS / f"{args.name}.json", RESULTS / f"{args.name}.png"
