@@ -226,20 +226,25 @@ class Generate:
         return (self.params.seed * 1_000_003 + zlib.crc32(f"{uid}@{version}".encode())) % (2**31 - max(n, 1))
 
     def _rows(self, batch: pd.DataFrame, prompt_ids: list[list[int]], results: list) -> pd.DataFrame:
-        batch = batch.reset_index(drop=True).copy()
-        batch["prompt_token_ids"] = prompt_ids
-        batch["responses"] = [r.sample.texts for r in results]
-        batch["response_token_ids"] = [r.sample.token_ids for r in results]
-        batch["behavior_logprobs"] = [r.sample.logprobs for r in results]
-        batch["response_lengths"] = [[len(tokens) for tokens in r.sample.token_ids] for r in results]
-        batch["token_policy_versions"] = [r.token_versions for r in results]
-        batch["policy_version"] = [r.version_min for r in results]
-        batch["policy_version_max"] = [r.version_max for r in results]
-        batch["time_generate"] = [r.end - r.start for r in results]
-        batch["time_weight_sync"] = [r.pause_s for r in results]
-        batch["generator_id"] = self.generator_id
-        batch["generate_start"] = [r.start for r in results]
-        batch["generate_end"] = [r.end for r in results]
+        columns = {
+            "prompt_token_ids": prompt_ids,
+            "responses": [r.sample.texts for r in results],
+            "response_token_ids": [r.sample.token_ids for r in results],
+            "behavior_logprobs": [r.sample.logprobs for r in results],
+            "response_lengths": [[len(tokens) for tokens in r.sample.token_ids] for r in results],
+            "token_policy_versions": [r.token_versions for r in results],
+            "policy_version": [r.version_min for r in results],
+            "policy_version_max": [r.version_max for r in results],
+            "time_generate": [r.end - r.start for r in results],
+            "time_weight_sync": [r.pause_s for r in results],
+            "generator_id": [self.generator_id] * len(results),
+            "generate_start": [r.start for r in results],
+            "generate_end": [r.end for r in results],
+        }
+        # one concat, not a column insert each (pandas copies its blocks on every insert: 13% of a tiny
+        # generate actor's time, measured with py-spy)
+        batch = batch.reset_index(drop=True).drop(columns=[c for c in columns if c in batch.columns])
+        batch = pd.concat([batch, pd.DataFrame(columns, index=batch.index)], axis=1)
         if results and results[0].episodes is not None:
             add_episode_columns(batch, [r.episodes for r in results])
         return batch
