@@ -40,6 +40,13 @@ def length_sorted_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     return chunks + ([current] if current else [])
 
 
+def padded_peak(lengths: list[int], budget: int) -> int:
+    """The most token slots (rows x width) any padded chunk of `lengths` holds at `budget`
+    (length_sorted_chunks): what a padded step's largest micro-batch computes on."""
+    return max((len(chunk) * max(lengths[i] for i in chunk) for chunk in length_sorted_chunks(lengths, budget)),
+               default=0)
+
+
 def packed_rows(lengths: list[int], width: int) -> list[list[int]]:
     """Indices laid into rows of `width` tokens, longest first, each into the first row it fits (first-fit
     decreasing); each row lists its indices in order of placement."""
@@ -66,9 +73,18 @@ def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     first, go into the first row they fit, else into a new row while rows x width stays within the
     budget, else they wait for a later micro-batch (a shorter one may still fill a gap). A sequence
     longer than the budget gets a micro-batch of its own. Each micro-batch lists its indices in
-    ascending order. `budget` 0: one micro-batch, in arrival order."""
+    ascending order; the micro-batches come narrowest first, the widest last, as padded chunks do: on a
+    CPU rank a step whose widest micro-batch ran first peaked 0.2-0.6 GiB higher (glibc's heap, carved for
+    it, served the narrower ones badly; benchmarks/README.md, train_memory.py). `budget` 0: one
+    micro-batch, in arrival order.
+
+    The budget a packed micro-batch may fill is the largest padded chunk of the same lengths
+    (`padded_peak`), when that is smaller: packing never holds more token slots at once than the
+    padded path would, so a step's peak memory does not grow with it. (A padded chunk often stops
+    short of the budget: one at the length cap stands alone where a packed one adds a second row.)"""
     if not budget:
         return [list(range(len(lengths)))] if lengths else []
+    budget = min(budget, padded_peak(lengths, budget))
     left = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     chunks: list[list[int]] = []
     while left:
@@ -87,7 +103,7 @@ def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
             members.append(index)
         chunks.append(sorted(members))
         left = waiting
-    return chunks
+    return chunks[::-1]  # narrowest first, as padded chunks run (see the docstring)
 
 
 def split_to_count(chunks: list[list[int]], count: int) -> list[list[int]]:

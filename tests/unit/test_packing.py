@@ -4,28 +4,46 @@ sequence exactly what it gets alone: no token attends across a sequence boundary
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from operators.algorithms.batching import length_sorted_chunks, packed_chunks, packed_inputs, token_batch
+from operators.algorithms.batching import length_sorted_chunks, packed_chunks, packed_inputs, padded_peak, token_batch
 
 
 def test_packed_chunks_keep_rows_x_width_within_the_budget_and_carry_more_tokens():
     lengths = [5, 1, 3, 9, 2, 4]
     packs = packed_chunks(lengths, 10)
     assert sorted(i for pack in packs for i in pack) == list(range(6))  # every sequence once
-    # 9 alone (a second row of 9 would pass the budget); 5 | 4+1 in two rows of 5; 3 | 2. Indices ascending.
-    assert packs == [[3], [0, 1, 5], [2, 4]]
+    # 9 alone (a second row of 9 would pass the budget); 5 | 4+1 in two rows of 5; 3 | 2. Indices ascending,
+    # micro-batches narrowest first.
+    assert packs == [[2, 4], [0, 1, 5], [3]]
     for pack in packs:  # the rows packed_inputs lays out stay within the budget
         rows = packed_inputs([[7] * lengths[i] for i in pack])
         assert rows.input_ids.numel() <= 10
     # long-tailed lengths: padded chunks of the same budget need more passes (each pads to its longest)
     tailed = [2, 3, 2, 4, 30, 3, 2, 2, 5, 3]
-    assert packed_chunks(tailed, 32) == [[4], [0, 1, 2, 3, 5, 6, 7, 8, 9]]  # rows 5 | 4 | 3+2 | 3+2 | 3+2 | 2
+    assert packed_chunks(tailed, 32) == [[0, 1, 2, 3, 5, 6, 7, 8, 9], [4]]  # rows 5 | 4 | 3+2 | 3+2 | 3+2 | 2
     assert len(length_sorted_chunks(tailed, 32)) == 3
-    assert packed_chunks([12, 3], 10) == [[0], [1]]  # longer than the budget: a micro-batch of its own
+    assert packed_chunks([12, 3], 10) == [[1], [0]]  # longer than the budget: a micro-batch of its own
     assert packed_chunks([4, 2, 7], 0) == [[0, 1, 2]]  # 0: one micro-batch, arrival order
     assert packed_chunks([], 10) == [] and packed_chunks([], 0) == []
+
+
+def test_packing_never_holds_more_token_slots_than_the_largest_padded_chunk():
+    # the capped 8 stands alone in the padded path (5 x 3 fills a chunk), so the padded peak is 15 slots;
+    # a packed micro-batch may not reach 16 by putting a second row of 8 beside it
+    lengths = [8, 3, 3, 3, 3, 3]
+    assert padded_peak(lengths, 16) == 15
+    assert packed_chunks(lengths, 16) == [[1, 2, 3, 4, 5], [0]]  # five rows of 3; 8 alone
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # long-tailed lengths with a cap, as responses are
+        lengths = np.minimum(rng.lognormal(2.5, 1.0, rng.integers(1, 64)).astype(int) + 1, 256).tolist()
+        budget = int(rng.choice([256, 512, 1024]))
+        packs = packed_chunks(lengths, budget)
+        assert sorted(i for pack in packs for i in pack) == list(range(len(lengths)))
+        slots = max(packed_inputs([[7] * lengths[i] for i in pack]).input_ids.numel() for pack in packs)
+        assert slots <= padded_peak(lengths, budget) <= max(budget, max(lengths))
 
 
 def test_packed_inputs_lay_sequences_in_rows_as_wide_as_the_longest():
