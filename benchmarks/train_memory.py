@@ -13,6 +13,7 @@ activations, logits, graphs) and the step's wall time.
     python benchmarks/train_memory.py                                  # -> results/train_memory.json, label "after"
     python benchmarks/train_memory.py --code ../old-checkout --label before --sizes 64,128,256
     python benchmarks/train_memory.py --packing false --label padded --sizes 64,256    # padded micro-batches
+    python benchmarks/train_memory.py --sizes 64 --repeats 3 --label packed            # median of 3 processes
 
 `--code` runs the trainer of another checkout (e.g. a commit before a change), with the same model,
 samples and settings. Runs one size at a time: do not run anything else beside it.
@@ -101,6 +102,16 @@ def child(model: str, count: int, budget: int, threads: int, packing: str = "tru
             "policy_loss": result["policy_loss"], "grad_norm": result["grad_norm"]}
 
 
+def median_run(repeats: list[dict]) -> dict:
+    """One size's record from its repeats: the run with the median peak, and every run's peak and growth."""
+    ranked = sorted(repeats, key=lambda run: run["peak_rss_gib"])
+    run = dict(ranked[(len(ranked) - 1) // 2])
+    if len(repeats) > 1:
+        run["peak_rss_gib_runs"] = [round(r["peak_rss_gib"], 3) for r in repeats]
+        run["step_growth_gib_runs"] = [round(r["step_growth_gib"], 3) for r in repeats]
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,128,256,512", help="samples per step, comma-separated")
@@ -113,6 +124,9 @@ def main() -> None:
     parser.add_argument("--model-dir", default="/tmp/streamrl-train-memory-llama110m")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable of the measured process, e.g. MALLOC_MMAP_THRESHOLD_=1048576")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="processes per size; the record keeps each one's peak and their median (peak RSS "
+                             "moved by up to 0.5 GiB between identical runs at 64 samples)")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -127,17 +141,24 @@ def main() -> None:
     runs = []
     for count in [int(size) for size in args.sizes.split(",")]:
         print(f"[{args.label}] {count} samples ...", flush=True)
-        done = subprocess.run([sys.executable, __file__, "--child", str(model), str(count),
-                               str(args.micro_batch_tokens), str(args.threads), args.packing],
-                              cwd=code, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(done.stderr[-2000:], file=sys.stderr)
-            runs.append({"samples": count, "failed": done.stderr.strip().splitlines()[-1][-300:]})
+        repeats = []
+        for _ in range(args.repeats):
+            done = subprocess.run([sys.executable, __file__, "--child", str(model), str(count),
+                                   str(args.micro_batch_tokens), str(args.threads), args.packing],
+                                  cwd=code, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stderr[-2000:], file=sys.stderr)
+                repeats = [{"samples": count, "failed": done.stderr.strip().splitlines()[-1][-300:]}]
+                break
+            repeats.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if "failed" in repeats[0]:
+            runs.append(repeats[0])
             continue
-        run = json.loads(done.stdout.strip().splitlines()[-1])
+        run = median_run(repeats)
         runs.append(run)
+        spread = f" (runs: {', '.join(f'{p:.2f}' for p in run['peak_rss_gib_runs'])})" if len(repeats) > 1 else ""
         print(f"  {run['tokens']} tokens, {run['micro_batches']} micro-batches: peak {run['peak_rss_gib']:.2f} GiB "
-              f"(+{run['step_growth_gib']:.2f} over the step), {run['step_seconds']:.1f} s", flush=True)
+              f"(+{run['step_growth_gib']:.2f} over the step){spread}, {run['step_seconds']:.1f} s", flush=True)
     record = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     record[args.label] = {
         "command": " ".join(["python", "benchmarks/train_memory.py", *sys.argv[1:]]),
