@@ -31,9 +31,12 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from operators.host_buffers import BucketBuffers
 
 DEFAULT_BUCKET_MB = 256
 
@@ -162,8 +165,8 @@ class _Packer:
     (a GPU, a gathered ZeRO-3 parameter) straight into its place in the buffer, so the caller may
     release it right after `add` returns."""
 
-    def __init__(self, dtype: str, capacity: int | None):
-        self.dtype, self.capacity = dtype, capacity
+    def __init__(self, dtype: str, capacity: int | None, buffers: BucketBuffers | None = None):
+        self.dtype, self.capacity, self.buffers = dtype, capacity, buffers
         self._reset()
 
     def _reset(self) -> None:
@@ -171,6 +174,7 @@ class _Packer:
         self.shapes: list[tuple[int, ...]] = []
         self.parts: list[Any] = []  # capacity None: host copies, joined at flush
         self.buffer = None  # capacity set: the bucket's flat host buffer (torch, this dtype)
+        self.slot = None  # the BucketBuffers slot the buffer came from, if any
         self.count = 0  # elements written
 
     def add(self, name: str, tensor) -> WeightBucket | None:
@@ -185,7 +189,12 @@ class _Packer:
             if self.names and (self.count + elements) * size > self.capacity:
                 full = self.flush()
             if self.buffer is None:  # a tensor larger than a bucket gets a bucket of its own size
-                self.buffer = torch.empty(max(self.capacity // size, elements), dtype=_torch_dtype(self.dtype))
+                needed = max(self.capacity // size, elements)
+                if self.buffers is None:
+                    self.buffer = torch.empty(needed, dtype=_torch_dtype(self.dtype))
+                else:
+                    self.slot = self.buffers.take(_torch_dtype(self.dtype), needed)
+                    self.buffer = self.slot.buffer
             self.buffer[self.count:self.count + elements].copy_(tensor.detach().reshape(-1))  # casts to the bucket's dtype
         self.names.append(name)
         self.shapes.append(tuple(tensor.shape))
@@ -203,24 +212,28 @@ class _Packer:
             flat = self.buffer[:self.count]
         if self.dtype == "bfloat16":
             flat = flat.view(torch.int16)
-        data = flat.contiguous().numpy().view(DTYPES[self.dtype][1])
+        root = flat.contiguous().numpy()  # every numpy view made from the bucket keeps this array alive
+        data = root.view(DTYPES[self.dtype][1])
+        if self.slot is not None:
+            self.slot.hand_out(root)
         bucket = WeightBucket(self.dtype, self.names, self.shapes, data)
         self._reset()
         return bucket
 
 
 def pack_buckets(named: Iterable[tuple[str, Any]], bucket_mb: float | None = DEFAULT_BUCKET_MB,
-                 dtype: str | None = None) -> Iterator[WeightBucket]:
+                 dtype: str | None = None, buffers: BucketBuffers | None = None) -> Iterator[WeightBucket]:
     """Buckets of at most `bucket_mb` (None: one per dtype) from (name, torch tensor) pairs, in order.
     `dtype` casts floating tensors to it (integer and bool buffers keep theirs). Each tensor is copied
-    to the host as it arrives, so the caller may release it (a ZeRO-3 gather) right after."""
+    to the host as it arrives, so the caller may release it (a ZeRO-3 gather) right after. `buffers`:
+    where bucket buffers come from and go back to between publishes (with `bucket_mb` set)."""
     capacity = None if bucket_mb is None else max(int(bucket_mb * 2**20), 1)
     packers: dict[str, _Packer] = {}
     for name, tensor in named:
         kind = dtype if (dtype is not None and tensor.is_floating_point()) else torch_dtype_name(tensor)
         if kind not in DTYPES:
             raise TypeError(f"weight {name}: dtype {kind} cannot travel the weight channel ({', '.join(DTYPES)})")
-        full = packers.setdefault(kind, _Packer(kind, capacity)).add(name, tensor)
+        full = packers.setdefault(kind, _Packer(kind, capacity, buffers)).add(name, tensor)
         if full is not None:
             yield full
     for packer in packers.values():

@@ -48,9 +48,12 @@ class StateIO:
 
     def weight_buckets(self):
         """The weights in the training dtype (the module's: bf16 under train.dtype bf16), bucketed."""
+        from operators.host_buffers import BucketBuffers
         from operators.weights import pack_buckets
 
-        return pack_buckets(self._named_weights(), self.settings.weight_bucket_mb)
+        if getattr(self, "_bucket_buffers", None) is None:  # reused from one publish to the next
+            self._bucket_buffers = BucketBuffers()
+        return pack_buckets(self._named_weights(), self.settings.weight_bucket_mb, buffers=self._bucket_buffers)
 
     def _publish(self) -> float:
         """Send this version's weights to the generators and publish it; the seconds this rank was held.

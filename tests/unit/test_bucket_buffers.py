@@ -1,0 +1,65 @@
+"""Bucket buffers reused between publishes (operators/host_buffers.py, packed into by operators/weights.py): a buffer goes back to
+the pool only when nothing made from it is alive, so a version the weight sender still holds is never
+overwritten by the next pack, and one it dropped is packed into again without new host memory."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from operators.weight_plane import bucket_bytes
+from operators.host_buffers import BucketBuffers
+from operators.weights import pack_buckets
+
+
+def _weights(value: float, dtype=torch.float32):
+    return [(f"layer{i}.weight", torch.full((64, 32), value + i, dtype=dtype)) for i in range(6)]
+
+
+def _pointers(buckets) -> set[int]:
+    return {bucket.data.__array_interface__["data"][0] for bucket in buckets}
+
+
+def _values(buckets) -> list[float]:
+    return [float(array.reshape(-1)[0]) for bucket in buckets for _, array in bucket.arrays()]
+
+
+def test_a_held_version_is_not_packed_over_and_a_dropped_one_is_reused():
+    pool = BucketBuffers()
+    bucket_mb = 3 * 64 * 32 * 4 / 2**20  # three tensors a bucket: two buckets a version
+    first = list(pack_buckets(_weights(1.0), bucket_mb, buffers=pool))
+    assert len(first) == 2 and _values(first) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    second = list(pack_buckets(_weights(10.0), bucket_mb, buffers=pool))  # `first` is still held
+    assert not _pointers(first) & _pointers(second)
+    assert _values(first) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # untouched by the second pack
+    held = pool.nbytes
+    first_pointers = _pointers(first)
+    del first
+    gc.collect()
+    third = list(pack_buckets(_weights(100.0), bucket_mb, buffers=pool))
+    assert _pointers(third) == first_pointers  # the dropped version's buffers, packed again
+    assert pool.nbytes == held  # no new host memory
+    assert _values(third) == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    assert _values(second) == [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+
+
+def test_anything_made_from_a_bucket_keeps_its_buffer_in_use():
+    pool = BucketBuffers()
+    bucket_mb = 6 * 64 * 32 * 2 / 2**20  # one bf16 bucket a version
+    (bucket,) = pack_buckets(_weights(1.0, torch.bfloat16), bucket_mb, buffers=pool)
+    payload = bucket_bytes(bucket)  # what the sender broadcasts: a torch tensor over the bucket's bytes
+    view = next(bucket.tensors())[1]  # a torch view of one tensor, as an engine loads it
+    pointer = bucket.data.__array_interface__["data"][0]
+    del bucket
+    gc.collect()
+    (other,) = pack_buckets(_weights(7.0, torch.bfloat16), bucket_mb, buffers=pool)
+    assert other.data.__array_interface__["data"][0] != pointer  # the payload still reads the old one
+    assert float(view[0, 0]) == 1.0 and payload.numel() == 6 * 64 * 32 * 2
+    del payload, view, other
+    gc.collect()
+    (again,) = pack_buckets(_weights(3.0, torch.bfloat16), bucket_mb, buffers=pool)
+    assert again.data.__array_interface__["data"][0] == pointer  # both are free again: the first one is taken
+    assert pool.nbytes == 2 * 6 * 64 * 32 * 2  # two buffers in all, none added
+    assert np.array_equal(next(again.tensors())[1].float().numpy(), np.full((64, 32), 3.0, dtype=np.float32))
