@@ -130,10 +130,12 @@ def post_version(group, header, layout, payload: list, timeout_s: float) -> list
             + [post_broadcast(group, tensor, timeout_s) for tensor in payload])
 
 
-def receive_version(group, timeout_s: float, idle_s: float = IDLE_WAIT_S, on_layout=None):
+def receive_version(group, timeout_s: float, idle_s: float = IDLE_WAIT_S, on_layout=None, buffers=None):
     """Receive one version on `group` (a receiving rank): (version, layout, buckets). Waits up to `idle_s` for
     the header (the next version may be a train step away) and `timeout_s` for each part after it.
-    `on_layout(version)`: called between the layout and the buckets (a fault point)."""
+    `on_layout(version)`: called between the layout and the buckets (a fault point). `buffers`: an
+    operators.host_buffers.BucketBuffers the buckets are received into, reused once a version is dropped
+    (fresh host memory pays a page fault per page on first touch)."""
     import torch
 
     header = torch.zeros(2, dtype=torch.int64)
@@ -146,10 +148,15 @@ def receive_version(group, timeout_s: float, idle_s: float = IDLE_WAIT_S, on_lay
         on_layout(version)
     buckets = []
     for spec in layout["buckets"]:
-        data = torch.empty(int(spec["nbytes"]), dtype=torch.uint8)
+        nbytes = int(spec["nbytes"])
+        slot = None if buffers is None else buffers.take(torch.uint8, nbytes)
+        data = torch.empty(nbytes, dtype=torch.uint8) if slot is None else slot.buffer[:nbytes]
         post_broadcast(group, data, timeout_s).wait()
+        root = data.numpy()  # every view of the bucket keeps this array alive (host_buffers.py)
+        if slot is not None:
+            slot.hand_out(root)
         buckets.append(WeightBucket(spec["dtype"], list(spec["names"]), [tuple(s) for s in spec["shapes"]],
-                                    data.numpy().view(DTYPES[spec["dtype"]][1])))
+                                    root.view(DTYPES[spec["dtype"]][1])))
     return version, layout, buckets
 
 

@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from operators.faults import FaultPoints
+from operators.host_buffers import BucketBuffers
 from operators.weight_plane import open_group, receive_version
 from operators.weights import WeightBucket, WeightSet
 
@@ -143,10 +144,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = 1 + self.parallel_config.data_parallel_index * self.parallel_config.world_size + self.parallel_config.rank
         try:
             group = open_group(info.host, info.port, rank, info.world_size, info.timeout_s)
+            buffers = BucketBuffers()  # about two versions' host buffers: the one staged or applied, the next
             while not self._stop:
                 version, layout, buckets = receive_version(group, info.timeout_s, on_layout=lambda v: faults.reach(
                     # the generate actor is the parent of the engine core, where this worker runs
-                    "weights_receiving", version=v, engine_id=info.engine_id, actor_pid=os.getppid()))
+                    "weights_receiving", version=v, engine_id=info.engine_id, actor_pid=os.getppid()),
+                    buffers=buffers)
                 digests = layout.get("digests")
                 bad = transport_mismatches(buckets, digests) if digests else []
                 with self._cond:

@@ -63,3 +63,46 @@ def test_anything_made_from_a_bucket_keeps_its_buffer_in_use():
     assert again.data.__array_interface__["data"][0] == pointer  # both are free again: the first one is taken
     assert pool.nbytes == 2 * 6 * 64 * 32 * 2  # two buffers in all, none added
     assert np.array_equal(next(again.tensors())[1].float().numpy(), np.full((64, 32), 3.0, dtype=np.float32))
+
+
+def test_an_engine_receives_into_reused_buffers_and_never_over_a_version_it_holds():
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from operators.weight_plane import encode_layout, layout_of, open_group, post_version, receive_version
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    versions = {v: list(pack_buckets(_weights(float(10 * v)), 3 * 64 * 32 * 4 / 2**20)) for v in (1, 2, 3)}
+    got, ready, go_on = {}, threading.Event(), threading.Event()
+    pool = BucketBuffers()
+
+    def engine():
+        group = open_group("127.0.0.1", server.port, 1, 2, 60)
+        got[1] = receive_version(group, 60, buffers=pool)[2]
+        got[2] = receive_version(group, 60, buffers=pool)[2]  # version 1 is still held
+        ready.set()
+        go_on.wait(60)
+        got[3] = receive_version(group, 60, buffers=pool)[2]  # version 1 was dropped meanwhile
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    trainer = open_group("127.0.0.1", server.port, 0, 2, 60)
+    for version in (1, 2):
+        header, layout = encode_layout(layout_of(version, versions[version], None))
+        for work in post_version(trainer, header, layout, [bucket_bytes(b) for b in versions[version]], 60):
+            work.wait()
+    assert ready.wait(60)
+    assert not _pointers(got[1]) & _pointers(got[2])
+    assert _values(got[1]) == [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]  # not received over
+    first = _pointers(got.pop(1))
+    gc.collect()
+    go_on.set()
+    header, layout = encode_layout(layout_of(3, versions[3], None))
+    for work in post_version(trainer, header, layout, [bucket_bytes(b) for b in versions[3]], 60):
+        work.wait()
+    thread.join(60)
+    assert _pointers(got[3]) == first  # received into version 1's buffers
+    assert _values(got[3]) == [30.0, 31.0, 32.0, 33.0, 34.0, 35.0]
+    assert _values(got[2]) == [20.0, 21.0, 22.0, 23.0, 24.0, 25.0]
