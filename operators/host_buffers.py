@@ -24,6 +24,12 @@ class _Slot:
         self._out = weakref.ref(array)
         self.packing = False
 
+    def release(self) -> None:
+        """Free again without handing anything out: a pack or a receive that failed or was abandoned midway
+        (without this the slot stayed marked in use for the life of the process)."""
+        self._out = None
+        self.packing = False
+
 
 class BucketBuffers:
     """Host buffers for weight buckets, kept from one publish to the next and reused once nothing holds

@@ -151,7 +151,12 @@ def receive_version(group, timeout_s: float, idle_s: float = IDLE_WAIT_S, on_lay
         nbytes = int(spec["nbytes"])
         slot = None if buffers is None else buffers.take(torch.uint8, nbytes)
         data = torch.empty(nbytes, dtype=torch.uint8) if slot is None else slot.buffer[:nbytes]
-        post_broadcast(group, data, timeout_s).wait()
+        try:
+            post_broadcast(group, data, timeout_s).wait()
+        except BaseException:
+            if slot is not None:  # the buffer holds part of a version nobody will read
+                slot.release()
+            raise
         root = data.numpy()  # every view of the bucket keeps this array alive (host_buffers.py)
         if slot is not None:
             slot.hand_out(root)

@@ -220,6 +220,12 @@ class _Packer:
         self._reset()
         return bucket
 
+    def abandon(self) -> None:
+        """Give back the buffer of a bucket that will not be finished (the pack failed or was stopped)."""
+        if self.slot is not None:
+            self.slot.release()
+        self._reset()
+
 
 def pack_buckets(named: Iterable[tuple[str, Any]], bucket_mb: float | None = DEFAULT_BUCKET_MB,
                  dtype: str | None = None, buffers: BucketBuffers | None = None) -> Iterator[WeightBucket]:
@@ -229,17 +235,21 @@ def pack_buckets(named: Iterable[tuple[str, Any]], bucket_mb: float | None = DEF
     where bucket buffers come from and go back to between publishes (with `bucket_mb` set)."""
     capacity = None if bucket_mb is None else max(int(bucket_mb * 2**20), 1)
     packers: dict[str, _Packer] = {}
-    for name, tensor in named:
-        kind = dtype if (dtype is not None and tensor.is_floating_point()) else torch_dtype_name(tensor)
-        if kind not in DTYPES:
-            raise TypeError(f"weight {name}: dtype {kind} cannot travel the weight channel ({', '.join(DTYPES)})")
-        full = packers.setdefault(kind, _Packer(kind, capacity, buffers)).add(name, tensor)
-        if full is not None:
-            yield full
-    for packer in packers.values():
-        last = packer.flush()
-        if last is not None:
-            yield last
+    try:
+        for name, tensor in named:
+            kind = dtype if (dtype is not None and tensor.is_floating_point()) else torch_dtype_name(tensor)
+            if kind not in DTYPES:
+                raise TypeError(f"weight {name}: dtype {kind} cannot travel the weight channel ({', '.join(DTYPES)})")
+            full = packers.setdefault(kind, _Packer(kind, capacity, buffers)).add(name, tensor)
+            if full is not None:
+                yield full
+        for packer in packers.values():
+            last = packer.flush()
+            if last is not None:
+                yield last
+    finally:  # a failed or abandoned pack gives its unfinished buckets' buffers back (a no-op after a full pack)
+        for packer in packers.values():
+            packer.abandon()
 
 
 def _torch_dtype(name: str):

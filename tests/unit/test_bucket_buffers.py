@@ -106,3 +106,69 @@ def test_an_engine_receives_into_reused_buffers_and_never_over_a_version_it_hold
     assert _pointers(got[3]) == first  # received into version 1's buffers
     assert _values(got[3]) == [30.0, 31.0, 32.0, 33.0, 34.0, 35.0]
     assert _values(got[2]) == [20.0, 21.0, 22.0, 23.0, 24.0, 25.0]
+
+
+def _in_use(pool: BucketBuffers) -> int:
+    return sum(not slot.free() for slot in pool._slots)
+
+
+def test_a_pack_that_fails_or_is_stopped_midway_gives_its_buffers_back():
+    pool = BucketBuffers()
+    bucket_mb = 3 * 64 * 32 * 4 / 2**20  # two buckets a version
+
+    def failing():  # a ZeRO-3 gather that raises on the fifth tensor, inside the second bucket
+        for i, pair in enumerate(_weights(1.0)):
+            if i == 4:
+                raise RuntimeError("gather failed")
+            yield pair
+
+    done = []
+    try:
+        for bucket in pack_buckets(failing(), bucket_mb, buffers=pool):
+            done.append(bucket)
+    except RuntimeError:
+        pass
+    assert len(done) == 1 and len(pool._slots) == 2
+    assert _in_use(pool) == 1  # the finished bucket is held; the unfinished one's buffer is free
+    stopped = pack_buckets(_weights(2.0), bucket_mb, buffers=pool)
+    first = next(stopped)  # packed into the failed pack's free buffer; the second bucket takes a third
+    assert len(pool._slots) == 3 and _in_use(pool) == 3
+    stopped.close()  # the caller gives up midway (its own failure)
+    assert _in_use(pool) == 2  # `done` and `first`: the unfinished bucket's buffer is free
+    held = pool.nbytes
+    del done, first, bucket  # the loop variable holds the first too
+    gc.collect()
+    assert _in_use(pool) == 0
+    again = list(pack_buckets(_weights(3.0), bucket_mb, buffers=pool))
+    assert pool.nbytes == held  # no new host memory: the failures gave their buffers back
+    assert _values(again) == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+
+
+def test_a_receive_that_times_out_midway_gives_its_buffer_back():
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from operators.weight_plane import encode_layout, layout_of, open_group, post_broadcast, receive_version
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    buckets = list(pack_buckets(_weights(1.0), 3 * 64 * 32 * 4 / 2**20))
+    pool, failure = BucketBuffers(), []
+
+    def engine():
+        group = open_group("127.0.0.1", server.port, 1, 2, 60)
+        try:
+            receive_version(group, 2, buffers=pool)
+        except Exception as err:
+            failure.append(err)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    trainer = open_group("127.0.0.1", server.port, 0, 2, 60)
+    header, layout = encode_layout(layout_of(1, buckets, None))
+    for tensor in (header, layout):  # the trainer dies after the layout: no bucket ever comes
+        post_broadcast(trainer, tensor, 60).wait()
+    thread.join(60)
+    assert not thread.is_alive() and len(failure) == 1
+    assert len(pool._slots) == 1 and _in_use(pool) == 0
