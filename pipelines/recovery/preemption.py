@@ -25,11 +25,45 @@ import _thread
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import ray
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped on a signal, resumable with the printed command
+
+
+_ours = threading.Event()  # interrupt_main_thread sent the SIGINT that _raise_for_ours is about to see
+
+
+def _raise_for_ours(signum, frame) -> None:
+    """SIGINT's handler where the process started with SIGINT ignored: the SIGINT interrupt_main_thread sends
+    raises KeyboardInterrupt; one from outside stays ignored, as the process was started."""
+    if _ours.is_set():
+        _ours.clear()
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def interruptible_main_thread():
+    """Let interrupt_main_thread end the main thread's waits inside this block even where SIGINT is ignored.
+
+    A process started in the background of a non-interactive shell (`streamrl run ... &` in a script, a
+    job runner's child) inherits SIGINT ignored, and Python then installs no handler of its own: the SIGINT
+    interrupt_main_thread sends was dropped by the kernel, and a node-loss restart or the preemption
+    watchdog waited for ever on the DAG (seen when the test suite ran in the background). Here SIGINT gets
+    a handler that raises only for ours. Main thread only (Python runs handlers there); elsewhere, and
+    where SIGINT already has a handler or the OS default, nothing changes."""
+    install = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+    if install:
+        signal.signal(signal.SIGINT, _raise_for_ours)
+    try:
+        yield
+    finally:
+        if install:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _ours.clear()
 
 
 def interrupt_main_thread() -> None:
@@ -38,8 +72,12 @@ def interrupt_main_thread() -> None:
     `_thread.interrupt_main()` only sets the flag Python checks between bytecodes, and a main thread
     blocked in `Condition.wait()` (Ray Data's iterator waiting for a block that never comes) never
     runs one: the interrupt waited forever (seen in the node-loss test). A real SIGINT sent to the
-    main thread ends the wait (EINTR) and Python runs its handler there."""
-    if callable(signal.getsignal(signal.SIGINT)):  # a Python handler: default_int_handler raises KeyboardInterrupt
+    main thread ends the wait (EINTR) and Python runs its handler there. Where the process started
+    with SIGINT ignored, that needs `interruptible_main_thread` around the wait (the job has it)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is _raise_for_ours:
+        _ours.set()
+    if callable(handler):  # a Python handler: default_int_handler (or ours) raises KeyboardInterrupt
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     else:  # SIGINT ignored or at the OS default (which would end the process): only the flag
         _thread.interrupt_main()
@@ -121,11 +159,15 @@ class Preemption:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
+            # the watchdog below, and the node watch of pipelines/recovery/attempts.py, interrupt the main thread
+            self._interruptible = interruptible_main_thread()
+            self._interruptible.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
+            self._interruptible.__exit__(None, None, None)
             self._installed = False
 
     def _on_sigterm(self, signum, frame) -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pipelines.recovery.preemption import Preempted, Preemption, interrupt_main_thread
+from pipelines.recovery.preemption import Preempted, Preemption, interrupt_main_thread, interruptible_main_thread
 
 
 def _wait_for_signal(seconds: float = 10.0) -> None:
@@ -39,9 +39,50 @@ def _block_like_the_dag(late: threading.Event, seconds: float = 20.0) -> None:
 def test_interrupt_main_thread_ends_an_untimed_wait():
     late = threading.Event()
     threading.Timer(0.2, interrupt_main_thread).start()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt), interruptible_main_thread():  # pytest may run with SIGINT ignored
         _block_like_the_dag(late)
     assert not late.is_set()  # _thread.interrupt_main() alone waited here until the wait ended
+
+
+# A driver started with SIGINT ignored, as a background job of a script (`streamrl run ... &`) is: the node
+# watch's interrupt and the grace watchdog must still end its untimed wait, and SIGINT from outside must
+# stay ignored.
+_IGNORED_SIGINT_DRIVER = """
+import os, queue, signal, threading
+from pipelines.recovery.preemption import Preemption, interrupt_main_thread, interruptible_main_thread
+assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN, signal.getsignal(signal.SIGINT)
+with interruptible_main_thread():
+    os.kill(os.getpid(), signal.SIGINT)  # from outside: ignored, as the process was started
+    print("outside SIGINT ignored", flush=True)
+    threading.Timer(0.2, interrupt_main_thread).start()  # the node watch's way
+    try:
+        queue.Queue().get()  # untimed: only an interrupt ends it
+    except KeyboardInterrupt:
+        print("node watch interrupt ended the wait", flush=True)
+assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+lines = []
+try:
+    with Preemption("finish_step", 0.5, lines.append) as preemption:
+        os.kill(os.getpid(), signal.SIGTERM)
+        queue.Queue().get()  # a step that never ends
+except KeyboardInterrupt:
+    print("grace watchdog ended the wait:", preemption.grace_expired, flush=True)
+assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+print("SIGINT ignored again", flush=True)
+"""
+
+
+def test_the_interrupts_end_a_wait_in_a_driver_started_with_sigint_ignored():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _IGNORED_SIGINT_DRIVER], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2],
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["outside SIGINT ignored", "node watch interrupt ended the wait",
+                                        "grace watchdog ended the wait: True", "SIGINT ignored again"], done.stdout
 
 
 def test_abandon_step_stops_at_once_and_the_old_handler_comes_back():
