@@ -34,35 +34,43 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped on a signal, resumable with the prin
 
 
 _ours = threading.Event()  # interrupt_main_thread sent the SIGINT that _raise_for_ours is about to see
+_outside = [signal.SIG_IGN]  # what a SIGINT from outside does while _raise_for_ours is installed
 
 
 def _raise_for_ours(signum, frame) -> None:
-    """SIGINT's handler where the process started with SIGINT ignored: the SIGINT interrupt_main_thread sends
-    raises KeyboardInterrupt; one from outside stays ignored, as the process was started."""
+    """SIGINT's handler where the process had no Python handler for it: the SIGINT interrupt_main_thread
+    sends raises KeyboardInterrupt; one from outside does what it did before (ignored, or the OS default:
+    the process ends on SIGINT)."""
     if _ours.is_set():
         _ours.clear()
         raise KeyboardInterrupt
+    if _outside[0] == signal.SIG_DFL:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
 
 
 @contextmanager
 def interruptible_main_thread():
-    """Let interrupt_main_thread end the main thread's waits inside this block even where SIGINT is ignored.
+    """Let interrupt_main_thread end the main thread's waits inside this block even where SIGINT has no
+    Python handler.
 
     A process started in the background of a non-interactive shell (`streamrl run ... &` in a script, a
     job runner's child) inherits SIGINT ignored, and Python then installs no handler of its own: the SIGINT
     interrupt_main_thread sends was dropped by the kernel, and a node-loss restart or the preemption
-    watchdog waited for ever on the DAG (seen when the test suite ran in the background). Here SIGINT gets
-    a handler that raises only for ours. Main thread only (Python runs handlers there); elsewhere, and
-    where SIGINT already has a handler or the OS default, nothing changes."""
-    install = (threading.current_thread() is threading.main_thread()
-               and signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+    watchdog waited for ever on the DAG (seen when the test suite ran in the background). With SIGINT at the
+    OS default (set by a library), `_thread.interrupt_main()` does nothing at all. Here SIGINT gets a handler
+    that raises only for ours and keeps what an outside SIGINT did. Main thread only (Python runs handlers
+    there); elsewhere, and where SIGINT already has a Python handler, nothing changes."""
+    previous = signal.getsignal(signal.SIGINT)
+    install = threading.current_thread() is threading.main_thread() and previous in (signal.SIG_IGN, signal.SIG_DFL)
     if install:
+        _outside[0] = previous
         signal.signal(signal.SIGINT, _raise_for_ours)
     try:
         yield
     finally:
         if install:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, previous)
             _ours.clear()
 
 
@@ -72,8 +80,9 @@ def interrupt_main_thread() -> None:
     `_thread.interrupt_main()` only sets the flag Python checks between bytecodes, and a main thread
     blocked in `Condition.wait()` (Ray Data's iterator waiting for a block that never comes) never
     runs one: the interrupt waited forever (seen in the node-loss test). A real SIGINT sent to the
-    main thread ends the wait (EINTR) and Python runs its handler there. Where the process started
-    with SIGINT ignored, that needs `interruptible_main_thread` around the wait (the job has it)."""
+    main thread ends the wait (EINTR) and Python runs its handler there. Where SIGINT has no Python
+    handler (started ignored, or set to the OS default), that needs `interruptible_main_thread` around
+    the wait (the job has it)."""
     handler = signal.getsignal(signal.SIGINT)
     if handler is _raise_for_ours:
         _ours.set()
