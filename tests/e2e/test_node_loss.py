@@ -17,7 +17,7 @@ import pytest
 from mlflow_server import start_two_node_cluster, submit_and_follow
 from test_faults import assert_exactly_once, final_ledger
 
-STEPS, GROUPS = 8, 4
+STEPS, GROUPS = 16, 4  # enough steps for a slow second generate actor to come up before the job ends
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +55,16 @@ def test_worker_node_killed_midjob_job_replans_on_the_head(cluster, servers, tmp
         "reward.functions": "[{name: 'tests.reward_fixtures:slower_exact'}]",
     }
     started = time.monotonic()
-    killed_at, where = None, {}
+    killed_at, where, checkpointed = None, {}, False
 
     def on_line(line: str) -> None:
-        nonlocal killed_at, where
-        if killed_at is None and "streamrl: checkpoint " in line:
+        nonlocal killed_at, where, checkpointed
+        checkpointed = checkpointed or "streamrl: checkpoint " in line
+        if killed_at is None and checkpointed:
             where = actor_nodes(cluster["address"])
-            # a rank and a generate actor on each node (a slow actor start may leave one pending: the
-            # next checkpoint, then)
+            # a rank and a generate actor on each node (a slow actor start may leave one pending: looked at
+            # again on every line after the first checkpoint; on a slow machine none of the 4 checkpoints of an
+            # 8-step job found both in place, and nothing was killed)
             both = {cluster["head"], cluster["second"]}
             if where.get("TrainWorker") == both and where.get("Generate") == both:
                 servers.kill_session(cluster["second_session"])  # the raylet and everything it started
