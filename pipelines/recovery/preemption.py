@@ -21,7 +21,7 @@ stage in its constructor kwargs, never looked up by name.
 
 from __future__ import annotations
 
-import _thread
+import logging
 import signal
 import threading
 import time
@@ -88,8 +88,10 @@ def interrupt_main_thread() -> None:
         _ours.set()
     if callable(handler):  # a Python handler: default_int_handler (or ours) raises KeyboardInterrupt
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-    else:  # SIGINT ignored or at the OS default (which would end the process): only the flag
-        _thread.interrupt_main()
+    else:  # no Python handler, outside interruptible_main_thread: `_thread.interrupt_main()` would do nothing either
+        logging.getLogger(__name__).warning(
+            "streamrl: cannot interrupt the main thread: SIGINT has no Python handler here (run the wait inside "
+            "pipelines.recovery.preemption.interruptible_main_thread)")
 
 
 class Preempted(BaseException):
