@@ -10,6 +10,14 @@ time over the weight plane's wire (pack to host buckets, gloo broadcast to a rec
 peak GPU memory, the train step's MFU, and the first update's ratio pi_theta / pi_behave,
 which should be ~1 (the engine and the trainer hold the same weights; bf16 rounding aside).
 
+Then two measurements of their own (each section's failure is recorded and the next one still runs):
+- padding: the last step's samples trained padded and packed by turns (A B A B), seconds and peak
+  memory of each (`train.packing`);
+- weight path at a 7B shape (random Qwen2-7B weights in bf16 on the GPU, no trainer): pack into host
+  buckets, broadcast over the loopback gloo group, load into a second copy on the GPU, with pageable
+  and with pinned host buffers (`BucketBuffers(pin_memory=...)`), each a cold and a reused round; the
+  copy is checked equal to the source.
+
     python benchmarks/gpu_smoke.py --out smoke.json                  # on the GPU machine
     python benchmarks/gpu_smoke.py --tiny --out /tmp/smoke.json      # the same path on a CPU, tiny model
 
@@ -35,6 +43,9 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
                  tie_word_embeddings=True, rope_theta=1e6)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
+                tie_word_embeddings=False, rope_theta=1e6)
 H100_H200_BF16_FLOPS = 989e12  # dense bf16 peak of one H100/H200 SXM, for MFU
 
 
@@ -42,7 +53,7 @@ class LoopbackPlane:
     """The weight plane's wire in one process: a gloo group of two (this thread sends as the trainer's rank 0,
     a thread receives as an engine would, operators/engines/gloo_transfer.py) over a local TCP store."""
 
-    def __init__(self, timeout_s: float = 120.0):
+    def __init__(self, timeout_s: float = 300.0):
         import threading
         from datetime import timedelta
 
@@ -59,6 +70,7 @@ class LoopbackPlane:
         self.group = open_group("127.0.0.1", self.store.port, 0, 2, timeout_s)
         peer.join()
         self.peer = joined["group"]
+        self.receive_buffers = None  # an operators.host_buffers.BucketBuffers the receiving side reuses, as engines do
 
     def send(self, version: int, buckets: list) -> list:
         """Broadcast `buckets` and return what the receiving side got."""
@@ -67,7 +79,7 @@ class LoopbackPlane:
         from operators.weight_plane import bucket_bytes, encode_layout, layout_of, post_version, receive_version
 
         with ThreadPoolExecutor(1) as pool:
-            got = pool.submit(receive_version, self.peer, self.timeout_s, self.timeout_s)
+            got = pool.submit(receive_version, self.peer, self.timeout_s, self.timeout_s, None, self.receive_buffers)
             header, layout = encode_layout(layout_of(version, buckets, None))
             for work in post_version(self.group, header, layout, [bucket_bytes(b) for b in buckets], self.timeout_s):
                 work.wait()
@@ -98,6 +110,136 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def differing(engine_model, trainer) -> int:
+    """How many of the engine's tensors, cast to the trainer's dtype (bf16; the HF engine keeps fp32 copies),
+    differ from the trainer's: before a load, what the step changed; after it, 0 if the load delivered it.
+    The trainer's are walked as it publishes them (under ZeRO-3 each module gathered while compared)."""
+    import torch
+
+    theirs = engine_model.state_dict()
+    with torch.no_grad():
+        return sum(not torch.equal(theirs[name].to(device=tensor.device, dtype=tensor.dtype), tensor)
+                   for name, tensor in trainer._named_weights())
+
+
+def workload(prompts: list, groups: list, rng) -> dict:
+    """The step's samples. A random model rarely stops, so every response would run to max_new_tokens: each is
+    cut (with its log-probs) to a long-tailed length like the real workload's (log-normal, median 100 tokens,
+    as SmolLM2-135M's on basic_arithmetic), so that packing has padding to remove. The advantages are random,
+    centred and scaled within each group: a stand-in reward (the figures are about speed), never all zero."""
+    import numpy as np
+
+    prompt_ids, response_ids, logprobs, advantages = [], [], [], []
+    for prompt, group in zip(prompts, groups):
+        scores = rng.standard_normal(len(group.token_ids))
+        advantages += ((scores - scores.mean()) / (scores.std() + 1e-6)).tolist()
+        for tokens, lps in zip(group.token_ids, group.logprobs):
+            keep = int(np.clip(round(rng.lognormal(np.log(100), 0.6)), 8, len(tokens)))
+            prompt_ids.append(prompt)
+            response_ids.append(list(tokens[:keep]))
+            logprobs.append(list(lps[:keep]))
+    return {"prompt_token_ids": prompt_ids, "response_token_ids": response_ids,
+            "behavior_logprobs": logprobs, "advantages": advantages}
+
+
+def padding_rounds(trainer, samples: dict, generated: int, rounds: int) -> dict:
+    """The same samples trained padded and packed by turns (A B A B): seconds, micro-batches, peak memory."""
+    import dataclasses
+
+    import torch
+
+    packed = trainer.settings
+    variants = {"padded": dataclasses.replace(packed, packing=False), "packed": packed}
+    out = {name: {"train_s": [], "peak_gpu_memory_gib": [], "micro_batches": None} for name in variants}
+    try:
+        for _ in range(rounds):
+            for name, settings in variants.items():
+                trainer.settings = settings
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                synchronize()
+                start = time.perf_counter()
+                result = trainer.train_step(samples, generated, len(samples["response_token_ids"]))
+                synchronize()
+                out[name]["train_s"].append(time.perf_counter() - start)
+                out[name]["micro_batches"] = result["micro_batches"]
+                if torch.cuda.is_available():
+                    out[name]["peak_gpu_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
+                print(json.dumps({"padding": name, "train_s": round(out[name]["train_s"][-1], 4),
+                                  "micro_batches": result["micro_batches"]}), flush=True)
+    finally:
+        trainer.settings = packed
+    out["padded_over_packed"] = min(out["padded"]["train_s"]) / min(out["packed"]["train_s"])
+    return out
+
+
+def weight_path(shape: dict, plane: LoopbackPlane, rounds: int) -> dict:
+    """Pack, broadcast and load one model's weights (bf16, no trainer) with pageable and pinned host buffers."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from operators.host_buffers import BucketBuffers
+    from operators.weights import DEFAULT_BUCKET_MB, WeightSet, named_weights, pack_buckets
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    config = Qwen2Config(**shape)
+    start = time.perf_counter()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device), torch.no_grad():
+            source = Qwen2ForCausalLM(config).eval()
+            target = Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    synchronize()
+    nbytes = sum(t.numel() * t.element_size() for t in source.state_dict().values())
+    report = {"model": shape, "bytes": nbytes, "bucket_mb": DEFAULT_BUCKET_MB,
+              "build_s": time.perf_counter() - start, "rounds": []}
+    print(f"weight path: {nbytes / 2**30:.2f} GiB in bf16 on {device}, built in {report['build_s']:.1f} s", flush=True)
+    version = 100
+    for pin in ((False, True) if cuda else (False,)):
+        buffers = BucketBuffers(pin_memory=pin)
+        plane.receive_buffers = BucketBuffers(pin_memory=pin)
+        for round_ in range(rounds):
+            version += 1
+            with torch.no_grad():  # so that equal_to_source says this round's load wrote every tensor
+                for tensor in target.state_dict().values():
+                    tensor.zero_()
+            synchronize()
+            start = time.perf_counter()
+            buckets = list(pack_buckets(named_weights(source), DEFAULT_BUCKET_MB, buffers=buffers))
+            packed = time.perf_counter()
+            received = plane.send(version, buckets)
+            sent = time.perf_counter()
+            with torch.no_grad():
+                target.load_state_dict(WeightSet(received).state_dict(), strict=True)
+            synchronize()
+            loaded = time.perf_counter()
+            same = all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+            parts = {"pack_s": packed - start, "broadcast_s": sent - packed, "apply_s": loaded - sent}
+            row = {"pinned": pin, "round": round_, "total_s": loaded - start, **parts,
+                   **{k.replace("_s", "_gb_per_s"): nbytes / v / 1e9 for k, v in parts.items()},
+                   "equal_to_source": same}
+            report["rounds"].append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            del buckets, received
+        plane.receive_buffers = None
+        del buffers
+    del source, target
+    if cuda:
+        torch.cuda.empty_cache()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model (checks the path on a CPU)")
@@ -106,6 +248,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
+    parser.add_argument("--padding-rounds", type=int, default=2, help="padded/packed rounds on the last step's samples (0: none)")
+    parser.add_argument("--plane-shape", choices=["7b", "tiny", "none"], default=None,
+                        help="the weight path's model (default: 7b on a GPU, tiny on a CPU)")
+    parser.add_argument("--plane-rounds", type=int, default=2, help="weight-path rounds per buffer kind (a cold one, then reused)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
 
@@ -122,18 +269,20 @@ def main() -> None:
     shape = TINY if args.tiny else QWEN2_05B
     folder = build(Path(tempfile.mkdtemp(prefix="streamrl-gpu-smoke-")), shape)
     settings = TrainerSettings(
-        model_path=str(folder), lr=1e-6, zero_stage=1, dtype="bf16", torch_threads=os.cpu_count() or 1,
+        model_path=str(folder), lr=1e-4, zero_stage=args.zero_stage, dtype="bf16", torch_threads=os.cpu_count() or 1,
         max_new_tokens=args.max_new_tokens, micro_batch_tokens=args.micro_batch_tokens, logits_chunk_tokens=8192,
         lr_schedule=LrSchedule(warmup_steps=0),
     )
+    # The engine first: under ZeRO-3 the trainer keeps transformers' HfDeepSpeedConfig alive, and while it
+    # lives every from_pretrained in the process builds its model partitioned (pipelines/plain_loop.py's order).
+    engine = HFEngine(str(folder))
     trainer = TrainWorker(0, 1, free_port(), settings, None)  # NCCL on CUDA, gloo on CPU (operators.devices)
     plane = LoopbackPlane()
-    engine = HFEngine(str(folder))
-    params = sum(p.numel() for p in trainer.engine.module.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.engine.module.parameters())  # ZeRO-3: partitioned
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, shape["vocab_size"], 32).tolist() for _ in range(args.prompts)]
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-              "parameters": params, "model": shape, "dtype": "bf16 (fp32 master weights)",
+              "parameters": params, "model": shape, "dtype": "bf16 (fp32 master weights)", "zero_stage": args.zero_stage,
               "backend": torch.distributed.get_backend(), "steps": []}
     print(f"{report['device']}: {params / 1e6:.0f}M parameters, backend {report['backend']}", flush=True)
     for step in range(args.steps):
@@ -146,22 +295,16 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         generate_s = time.perf_counter() - start
-        responses = [r for g in groups for r in g.token_ids]
-        samples = {
-            "prompt_token_ids": [p for p, g in zip(prompts, groups) for _ in g.token_ids],
-            "response_token_ids": responses,
-            "behavior_logprobs": [lp for g in groups for lp in g.logprobs],
-            # a stand-in reward: centred response length within each group (the figures are about speed)
-            "advantages": [float(v) for g in groups
-                           for v in (np.array([len(r) for r in g.token_ids]) - np.mean([len(r) for r in g.token_ids]))
-                           / (np.std([len(r) for r in g.token_ids]) + 1e-6)],
-        }
+        decoded = sum(len(r) for g in groups for r in g.token_ids)
+        samples = workload(prompts, groups, rng)
+        responses = samples["response_token_ids"]
         generated = sum(len(r) for r in responses)
         start = time.perf_counter()
         result = trainer.train_step(samples, generated, len(responses))
         if cuda:
             torch.cuda.synchronize()
         train_s = time.perf_counter() - start
+        changed = differing(engine.model, trainer)  # what the step changed (a check, not timed)
         start = time.perf_counter()
         # the weight plane's wire (operators/weight_plane.py), as far as this machine allows (no Ray, no vLLM):
         # rank 0's buckets in the training dtype (bf16, device to host), broadcast over a gloo group to a
@@ -177,8 +320,8 @@ def main() -> None:
         plane_s = {"pack_s": packed - start, "broadcast_s": sent - packed, "apply_s": time.perf_counter() - sent}
         trained = generated + 32 * len(responses)
         row = {
-            "step": step, "responses": len(responses), "generated_tokens": generated,
-            "generate_tokens_per_s": generated / generate_s, "generate_s": generate_s,
+            "step": step, "responses": len(responses), "decoded_tokens": decoded, "trained_response_tokens": generated,
+            "generate_tokens_per_s": decoded / generate_s, "generate_s": generate_s,
             "train_s": train_s, "train_tokens_per_s": trained / train_s,
             "mfu": 6 * params * trained / train_s / H100_H200_BF16_FLOPS if cuda else None,
             "weight_load_s": load_s, **{f"weight_{k}": v for k, v in plane_s.items()},
@@ -186,14 +329,39 @@ def main() -> None:
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "policy_loss": result["policy_loss"], "grad_norm": result["grad_norm"],
             "ratio_behavior_min": result.get("ratio_behavior_min"), "ratio_behavior_max": result.get("ratio_behavior_max"),
+            "tensors_changed_by_step": changed, "tensors_differing_after_load": differing(engine.model, trainer),
         }
         report["steps"].append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     first = report["steps"][0]
     print(f"first update's ratio pi_theta/pi_behave: {first['ratio_behavior_min']:.3f}..{first['ratio_behavior_max']:.3f} "
           "(~1: engine and trainer agree)", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write(report, args.out)
+    del engine
+    if args.padding_rounds:
+        section(report, "padding", args.out, lambda: padding_rounds(trainer, samples, generated, args.padding_rounds))
+    del trainer
+    plane_shape = args.plane_shape or ("7b" if cuda else "tiny")
+    if plane_shape != "none":
+        section(report, "weight_path", args.out,
+                lambda: weight_path(QWEN2_7B if plane_shape == "7b" else TINY, plane, args.plane_rounds))
+
+
+def write(report: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def section(report: dict, name: str, out: str | None, run) -> None:
+    """Run one measurement; its figures, or its error and traceback, go into the report, which is written."""
+    import traceback
+
+    try:
+        report[name] = run()
+    except Exception as error:  # noqa: BLE001 - recorded, so that the sections after this one still run
+        report[name] = {"error": repr(error), "traceback": traceback.format_exc()}
+        print(f"{name} failed: {error!r}", flush=True)
+    write(report, out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Prepares .gpu_carry/ (git-ignored): what benchmarks/gpu_smoke.py needs on the lent GPU machine
 # beyond what it has (Python 3.12, CUDA torch, transformers, accelerate, numpy; no Ray, DeepSpeed,
 # pydantic). About 30 MB (DeepSpeed's sources are most of it), inside the 64 MiB a device run carries. On that machine:
-#   pip install -q --no-index --no-deps --target .gpu_carry/py312 .gpu_carry/wheels/*.whl
+#   for w in .gpu_carry/wheels/*.whl; do python3 -m zipfile -e "$w" .gpu_carry/py312; done   # a wheel is a zip
 #   PYTHONPATH=.gpu_carry/site:.gpu_carry/py312:. DS_ACCELERATOR=cuda python benchmarks/gpu_smoke.py --out $OUT/smoke.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,8 @@ mkdir -p "$OUT/wheels" "$OUT/site"
 for pkg in deepspeed pydantic hjson cpuinfo einops annotated_types typing_inspection; do
   cp -r "$SITE/$pkg" "$OUT/site/"
 done
+# DeepSpeed's metadata too: transformers' HfDeepSpeedConfig (ZeRO-3) checks the installed version by it.
+cp -r "$SITE"/deepspeed-*.dist-info "$OUT/site/"
 EXCLUDE="$(git rev-parse --git-path info/exclude)"
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qsx '/.gpu_carry/' "$EXCLUDE" || echo '/.gpu_carry/' >> "$EXCLUDE"
