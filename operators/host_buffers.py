@@ -44,7 +44,10 @@ class BucketBuffers:
     numpy points every view of that array (slices, dtype views) at it, and `torch.from_numpy` keeps
     the array it was given, so the array dies only when the last of them does."""
 
-    def __init__(self):
+    def __init__(self, pin_memory: bool = False):
+        # pin_memory: page-locked buffers (CUDA hosts), so a GPU-to-host copy into them is one DMA
+        # instead of a copy through a staging buffer (benchmarks/gpu_smoke.py measures both)
+        self.pin_memory = pin_memory
         self._slots: list[_Slot] = []
         self._lock = threading.Lock()
 
@@ -59,7 +62,7 @@ class BucketBuffers:
                 slot = min(fits, key=lambda s: s.buffer.numel())
                 slot.packing = True
                 return slot
-            slot = _Slot(torch.empty(elements, dtype=torch_dtype))
+            slot = _Slot(torch.empty(elements, dtype=torch_dtype, pin_memory=self.pin_memory))
             self._slots.append(slot)
             return slot
 
