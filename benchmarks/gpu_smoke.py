@@ -180,6 +180,41 @@ def padding_rounds(trainer, samples: dict, generated: int, rounds: int) -> dict:
     return out
 
 
+def packing_check(trainer, samples: dict) -> dict:
+    """The trainer's log-probs of the same samples packed and padded (no grad), before the first update: how far apart
+    they are, beside how far two padded layouts are (micro-batches a quarter as large), and how far each layout
+    is from the engine's own log-probs of the same weights (the HF engine computes in fp32, the trainer in its
+    training dtype). A packed row whose sequences saw each other would sit further from the engine than the
+    padded rows do; rounding in the training dtype keeps both about as far."""
+    import dataclasses
+
+    import numpy as np
+
+    base = trainer.settings
+
+    def logprobs(**changes) -> np.ndarray:
+        trainer.settings = dataclasses.replace(base, **changes)
+        try:
+            return trainer._proximal_logprobs(samples).values  # every response token, in sample order
+        finally:
+            trainer.settings = base
+
+    packed = logprobs(packing=True)
+    padded = logprobs(packing=False)
+    padded_small = logprobs(packing=False, micro_batch_tokens=max(base.micro_batch_tokens // 4, 1))
+
+    def apart(a: np.ndarray, b: np.ndarray) -> dict:
+        gap = np.abs(a - b)
+        return {"max": float(gap.max()), "mean": float(gap.mean())}
+
+    engine = np.concatenate([np.asarray(row, dtype=np.float64) for row in samples["behavior_logprobs"]])
+    out = {"tokens": int(packed.size), "packed_vs_padded": apart(packed, padded),
+           "padded_vs_padded_smaller": apart(padded, padded_small),
+           "packed_vs_engine": apart(packed, engine), "padded_vs_engine": apart(padded, engine)}
+    print(json.dumps({"packing_check": out}), flush=True)
+    return out
+
+
 def weight_path(shape: dict, plane: LoopbackPlane, rounds: int) -> dict:
     """Pack, broadcast and load one model's weights (bf16, no trainer) with pageable and pinned host buffers."""
     import torch
@@ -299,6 +334,8 @@ def main() -> None:
         samples = workload(prompts, groups, rng)
         responses = samples["response_token_ids"]
         generated = sum(len(r) for r in responses)
+        if step == 0:  # before any update: the engine sampled these with the weights the trainer holds
+            section(report, "packing_check", None, lambda: packing_check(trainer, samples))
         start = time.perf_counter()
         result = trainer.train_step(samples, generated, len(responses))
         if cuda:
