@@ -61,3 +61,20 @@ def local_device(torch, role: str = "this process"):
     if kind == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def refuse_zero3_partitioned_build(role: str) -> None:
+    """Raise a clear error where a model built now would come out partitioned: a DeepSpeed ZeRO-3 trainer rank
+    lives in this process. While it does, transformers' HfDeepSpeedConfig (operators/workers/deepspeed_setup.py:
+    zero3_init) builds every from_pretrained in the process under deepspeed.zero.Init, so an engine, reference
+    model or critic built after it holds empty shards and fails on its first forward with a shape error.
+    The Ray job runs each in an actor of its own; a one-process loop builds them before the trainer rank
+    (pipelines/plain_loop.py, benchmarks/gpu_smoke.py)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise DeviceError(
+            f"{role} would be built partitioned: a DeepSpeed ZeRO-3 trainer rank lives in this process, and while "
+            "it does every from_pretrained builds its model in ZeRO-3 shards. Build it before the trainer rank "
+            "(as pipelines/plain_loop.py does), or in a process of its own"
+        )

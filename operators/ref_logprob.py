@@ -40,9 +40,10 @@ class RefLogprob:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         torch.set_num_threads(torch_threads)
         self.torch = torch
-        from operators.devices import local_device
+        from operators.devices import local_device, refuse_zero3_partitioned_build
 
         self.device = local_device(torch, role="the reference model")  # its GPU from Ray, else the CPU
+        refuse_zero3_partitioned_build("the reference model")  # a ZeRO-3 rank in this process would shard it
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, local_files_only=True, trust_remote_code=trust_remote_code,
             dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype],

@@ -43,11 +43,12 @@ class Value:
         import torch
         from transformers import AutoModelForTokenClassification
 
-        from operators.devices import local_device
+        from operators.devices import local_device, refuse_zero3_partitioned_build
 
         torch.set_num_threads(torch_threads)
         self.torch = torch
         self.device = local_device(torch, role="the Value stage")  # its GPU from Ray, else the CPU
+        refuse_zero3_partitioned_build("the Value stage")  # a ZeRO-3 rank in this process would shard it
         self.model = AutoModelForTokenClassification.from_pretrained(
             model_path, num_labels=1, local_files_only=True, dtype=torch.float32, trust_remote_code=trust_remote_code,
         ).to(self.device).eval()

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from operators.devices import local_device
+from operators.devices import local_device, refuse_zero3_partitioned_build
 from operators.engines.base import GroupSample, SamplingParams
 from operators.logprobs import next_token_logprobs
 from operators.prompts import cut_at_stop, stop_token_ids
@@ -31,6 +31,7 @@ class HFEngine:
         self.tokenizer.padding_side = "left"  # generation continues from the right edge
         # The GPU Ray assigned to this actor (its only visible one), else the CPU (operators.devices).
         self.device = local_device(torch, role="the HF engine")
+        refuse_zero3_partitioned_build("the HF engine")  # a ZeRO-3 rank in this process would shard it
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32
         ).to(self.device).eval()
