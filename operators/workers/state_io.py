@@ -52,8 +52,8 @@ class StateIO:
         from operators.weights import pack_buckets
 
         if getattr(self, "_bucket_buffers", None) is None:  # reused from one publish to the next
-            # Pinned on a GPU rank: the device-to-host copies run at DMA speed. On the H200, packing Qwen2-7B's
-            # 14.2 GiB of bf16 into reused pinned buffers took 0.30 s, into reused pageable ones 1.14 s
+            # Pinned on a GPU rank: the device-to-host copies run at DMA speed. On an H200, packing a Qwen2-7B
+            # shape's 14.2 GiB of bf16 into reused pinned buffers took 0.30 s, into reused pageable ones 0.99 s
             # (benchmarks/gpu_smoke.py, results/gpu_smoke.json). The price: rank 0 keeps about two versions
             # of the weights page-locked (BucketBuffers), 2 x 14.2 GiB at 7B.
             self._bucket_buffers = BucketBuffers(pin_memory=self.device.type == "cuda")
