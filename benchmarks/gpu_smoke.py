@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -101,13 +100,6 @@ def build(folder: Path, shape: dict) -> Path:
     config = Qwen2Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     return folder
-
-
-def free_port() -> int:
-    # pipelines.runtime.trainer_group.free_port does the same, but that module imports Ray, which the GPU machine lacks.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def synchronize() -> None:
@@ -296,6 +288,7 @@ def main() -> None:
 
     from operators.engines.base import SamplingParams
     from operators.engines.hf import HFEngine
+    from operators.workers.deepspeed_setup import free_port  # Ray-free, as this machine needs
     from operators.workers.settings import LrSchedule, TrainerSettings
     from operators.workers.train_worker import TrainWorker
     from operators.weights import WeightSet
@@ -323,12 +316,11 @@ def main() -> None:
     for step in range(args.steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         groups = engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens,
                                                          temperature=1.0, seed=step))
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize()
         generate_s = time.perf_counter() - start
         decoded = sum(len(r) for g in groups for r in g.token_ids)
         samples = workload(prompts, groups, rng)
@@ -338,8 +330,7 @@ def main() -> None:
             section(report, "packing_check", None, lambda: packing_check(trainer, samples))
         start = time.perf_counter()
         result = trainer.train_step(samples, generated, len(responses))
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize()
         train_s = time.perf_counter() - start
         changed = differing(engine.model, trainer)  # what the step changed (a check, not timed)
         start = time.perf_counter()
@@ -351,8 +342,7 @@ def main() -> None:
         received = plane.send(step + 1, buckets)
         sent = time.perf_counter()
         engine.load_weights(WeightSet(received))
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize()
         load_s = time.perf_counter() - start
         plane_s = {"pack_s": packed - start, "broadcast_s": sent - packed, "apply_s": time.perf_counter() - sent}
         trained = generated + 32 * len(responses)

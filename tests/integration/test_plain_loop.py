@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
+from operators.devices import DeviceError
 from pipelines.config.load import load_config
 from pipelines.plain_loop import DEFAULT_CONFIG, ONE_PROCESS, main, run
 
@@ -39,3 +41,27 @@ def test_main_runs_from_the_command_line_arguments(tiny_model_path, capsys):
     records = main(["--steps", "2", "--set", "train.groups_per_step=2", "--set", "rollout.n=2"])
     assert [r["step"] for r in records] == [1, 2]
     assert "success rate: first 2 steps" in capsys.readouterr().out
+
+
+def test_at_zero3_the_engine_built_first_generates_and_one_built_beside_the_rank_is_refused(tiny_model_path):
+    """While a ZeRO-3 rank lives in a process, transformers builds every from_pretrained in ZeRO-3 shards: an HF
+    engine built then failed on its first forward ("'weight' must be 2-D"). The loop builds its engine first, so
+    it runs at ZeRO-3; an engine built beside the live rank is refused, saying what to do; once the rank is gone
+    a model builds whole again."""
+    import gc
+
+    from operators.engines.hf import HFEngine
+
+    cfg = load_config(DEFAULT_CONFIG, ONE_PROCESS + ["train.steps=1", "train.groups_per_step=2", "rollout.n=4",
+                                                     "train.zero_stage=3"])
+    refused = []
+
+    def watch(record, generate, worker):
+        with pytest.raises(DeviceError, match="the HF engine would be built partitioned.*before the trainer rank"):
+            HFEngine(tiny_model_path)
+        refused.append(record["step"])
+
+    records = run(cfg, tiny_model_path, watch=watch, echo=lambda line: None)
+    assert refused == [1] and math.isfinite(records[0]["loss"]) and records[0]["num_tokens"] > 0
+    gc.collect()
+    HFEngine(tiny_model_path)  # the rank is gone: whole again

@@ -393,23 +393,3 @@ def test_token_batch_places_each_column_on_its_response_tokens():
     with pytest.raises(ValueError, match="'logits'.*not TokenBatch columns"):
         token_batch(samples, 0, ("logits",))
     assert token_batch(samples, 0, ("advantages",)).to(torch.device("cpu")).mask.dtype == torch.float32
-
-
-def test_a_model_built_beside_a_zero3_rank_is_refused_with_the_fix(tiny_model_path):
-    """While a ZeRO-3 rank lives in a process, transformers builds every from_pretrained in ZeRO-3 shards: an HF
-    engine built then failed on its first forward ("'weight' must be 2-D"). It is refused, saying what to do;
-    the order pipelines/plain_loop.py uses (the engine first) works, and so does a build once the rank is gone."""
-    import gc
-
-    from operators.engines.base import SamplingParams
-    from operators.engines.hf import HFEngine
-
-    before = HFEngine(tiny_model_path)  # built first, whole, as the plain loop builds it
-    worker = _worker(tiny_model_path, "train.zero_stage=3")
-    with pytest.raises(DeviceError, match="the HF engine would be built partitioned.*before the trainer rank"):
-        HFEngine(tiny_model_path)
-    prompt = before.encode(["1+1="])
-    assert len(before.generate(prompt, SamplingParams(n=2, max_new_tokens=4, seed=0))[0].token_ids) == 2
-    del worker
-    gc.collect()
-    HFEngine(tiny_model_path)  # the rank is gone: whole again
