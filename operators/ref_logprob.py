@@ -24,7 +24,8 @@ import time
 
 import pandas as pd
 
-from operators.algorithms.batching import length_sorted_chunks, packed_chunks, packed_inputs
+from operators.algorithms.batching import packed_inputs
+from operators.algorithms.chunking import length_sorted_chunks, packed_chunks
 
 
 class RefLogprob:

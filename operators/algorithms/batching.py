@@ -19,91 +19,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from operators.algorithms.columns import PaddedLayout, as_ragged, is_complete, per_token_values
+from operators.algorithms.chunking import packed_rows
 from operators.algorithms.columns import lengths as column_lengths
+from operators.algorithms.shared_prompts import SharedPromptInputs, shared_prompt_inputs
 
 if TYPE_CHECKING:
     import torch
-
-
-def length_sorted_chunks(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices sorted by length, cut so that no chunk pads to more than `budget` tokens (chunk size x
-    its longest sequence); a sequence longer than the budget gets a chunk of its own. On long-tailed
-    lengths this removes most padding: short sequences no longer pad to the longest one."""
-    chunks, current, width = [], [], 0
-    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        grown = max(width, lengths[index])
-        if current and grown * (len(current) + 1) > budget:
-            chunks.append(current)
-            current, grown = [], lengths[index]
-        current.append(index)
-        width = grown
-    return chunks + ([current] if current else [])
-
-
-def padded_peak(lengths: list[int], budget: int) -> int:
-    """The most token slots (rows x width) any padded chunk of `lengths` holds at `budget`
-    (length_sorted_chunks): what a padded step's largest micro-batch computes on."""
-    return max((len(chunk) * max(lengths[i] for i in chunk) for chunk in length_sorted_chunks(lengths, budget)),
-               default=0)
-
-
-def packed_rows(lengths: list[int], width: int) -> list[list[int]]:
-    """Indices laid into rows of `width` tokens, longest first, each into the first row it fits (first-fit
-    decreasing); each row lists its indices in order of placement."""
-    rows: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        row = next((r for r, load in enumerate(loads) if load + lengths[index] <= width), None)
-        if row is None:
-            rows.append([])
-            loads.append(0)
-            row = len(rows) - 1
-        rows[row].append(index)
-        loads[row] += lengths[index]
-    return rows
-
-
-def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices cut into packed micro-batches whose rows (packed_inputs: as wide as the micro-batch's
-    longest sequence, filled first-fit longest first) hold at most `budget` token slots in all, rows x
-    width, as a padded chunk of the same budget does (length_sorted_chunks): memory and attention follow
-    the budget either way, and a packed micro-batch carries more tokens in them.
-
-    Each micro-batch starts from the longest sequence left, which sets its width; the others, longest
-    first, go into the first row they fit, else into a new row while rows x width stays within the
-    budget, else they wait for a later micro-batch (a shorter one may still fill a gap). A sequence
-    longer than the budget gets a micro-batch of its own. Each micro-batch lists its indices in
-    ascending order; the micro-batches come narrowest first, the widest last, as padded chunks do: on a
-    CPU rank a step whose widest micro-batch ran first peaked 0.2-0.6 GiB higher (glibc's heap, carved for
-    it, served the narrower ones badly; benchmarks/README.md, train_memory.py). `budget` 0: one
-    micro-batch, in arrival order.
-
-    The budget a packed micro-batch may fill is the largest padded chunk of the same lengths
-    (`padded_peak`), when that is smaller: packing never holds more token slots at once than the
-    padded path would, so a step's peak memory does not grow with it. (A padded chunk often stops
-    short of the budget: one at the length cap stands alone where a packed one adds a second row.)"""
-    if not budget:
-        return [list(range(len(lengths)))] if lengths else []
-    budget = min(budget, padded_peak(lengths, budget))
-    left = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    chunks: list[list[int]] = []
-    while left:
-        width = lengths[left[0]]
-        members, loads, waiting = [left[0]], [width], []
-        for index in left[1:]:
-            length = lengths[index]
-            row = next((r for r, load in enumerate(loads) if load + length <= width), None)
-            if row is not None:
-                loads[row] += length
-            elif (len(loads) + 1) * width <= budget:
-                loads.append(length)
-            else:
-                waiting.append(index)
-                continue
-            members.append(index)
-        chunks.append(sorted(members))
-        left = waiting
-    return chunks[::-1]  # narrowest first, as padded chunks run (see the docstring)
 
 
 def split_to_count(chunks: list[list[int]], count: int) -> list[list[int]]:
@@ -254,21 +175,38 @@ class TokenBatch:
     returns: torch.Tensor | None = None  # [B, L-1]: GAE return targets (critic)
     old_values: torch.Tensor | None = None  # [B, L-1]: the values the Value stage predicted (critic)
     packed: PackedInputs | None = None  # the sequences packed into rows (None: the model runs padded)
+    shared: SharedPromptInputs | None = None  # units of one prompt and its responses (train.share_prompts)
 
     def model_inputs(self) -> dict:
-        """Keyword arguments of the model's forward: the packed row, or the padded rows and their mask."""
+        """Keyword arguments of the model's forward: the shared-prompt or packed rows, or the padded rows and
+        their mask."""
+        if self.shared is not None:
+            return self.shared.model_inputs()
         if self.packed is not None:
             return self.packed.model_inputs()
         return {"input_ids": self.input_ids, "attention_mask": self.attention}
 
+    def outputs(self, values: torch.Tensor) -> torch.Tensor:
+        """The model's per-position outputs [rows, W, ...] at the positions that predict a next token, in the
+        layout `targets` pairs with: [P, W-1, ...] packed, [B, L-1, ...] padded, [1, N, ...] shared (the N
+        positions predicting a response token, the prompt's last once per response)."""
+        return self.shared.select(values) if self.shared is not None else values[:, :-1]
+
     def targets(self) -> torch.Tensor:
-        """The next tokens, in the layout of the model's outputs: [P, W-1] packed, [B, L-1] padded."""
+        """The next tokens, in the layout of `outputs`: [P, W-1] packed, [B, L-1] padded, [1, N] shared."""
+        if self.shared is not None:
+            return self.shared.target[None]
         ids = self.packed.input_ids if self.packed is not None else self.input_ids
         return ids[:, 1:]
 
     def unpack(self, values: torch.Tensor | None) -> torch.Tensor | None:
-        """Per-position model outputs ([P, W-1] packed, [B, L-1] padded) at the padded [B, L-1] layout."""
-        return values if values is None or self.packed is None else self.packed.unpack(values)
+        """Values in the layout of `outputs` at the padded [B, L-1] layout (0 at the padding; shared: 0 at the
+        prompt positions too, which no loss reads)."""
+        if values is None:
+            return None
+        if self.shared is not None:
+            return self.shared.scatter(values)
+        return values if self.packed is None else self.packed.unpack(values)
 
     @property
     def rows(self) -> int:
@@ -305,13 +243,16 @@ def trained_token_counts(samples: dict) -> np.ndarray:
 
 
 def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional: tuple[str, ...] = (),
-                device=None, packed: bool = False, one_row: bool = False) -> TokenBatch:
+                device=None, packed: bool = False, one_row: bool = False, share_prompts: bool = False,
+                budget: int = 0) -> TokenBatch:
     """A TokenBatch of `samples` (columns of equal length: prompt_token_ids, response_token_ids, and
     the per-token columns): the `required` TOKEN_COLUMNS, and each `optional` one when every sample
     carries it. A per-token value is one float per response (broadcast over its tokens) or one per
     response token; float32, overflowing to +-inf (the trainer's NaN guard then sees it) rather than
     raising. `loss_masks` (optional, one 0/1 per response token): only the 1s are in `mask`. `packed`:
     the sequences also packed into rows for the model (packed_inputs; `one_row`: one row of them all).
+    `share_prompts`: instead, each prompt laid out once before its responses (shared_prompts.py; units within
+    the micro-batch `budget`).
 
     The columns are numpy (operators/algorithms/columns.py) or lists; each tensor is filled by one
     scatter of the column's flat values, so nothing here runs per token in Python."""
@@ -360,12 +301,14 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     staleness = samples.get("staleness")
     staleness = np.zeros(layout.rows, dtype=np.int64) if staleness is None else np.array(staleness, dtype=np.int64)
     input_ids = layout.input_ids(prompts, responses, pad_id)  # [B, L]
-    rows_packed = None
-    if packed:  # each sequence a view of its padded row
+    rows_packed = rows_shared = None
+    if share_prompts:
+        rows_shared = shared_prompt_inputs(prompts, responses, pad_id, budget)
+    elif packed:  # each sequence a view of its padded row
         rows_packed = packed_inputs([input_ids[row, :length] for row, length in enumerate(layout.seq_len)],
                                     pad_id, one_row)
     batch = TokenBatch(input_ids=torch.from_numpy(input_ids), attention=torch.from_numpy(layout.attention()),
                        mask=torch.from_numpy(layout.scatter(trained)), staleness=torch.from_numpy(staleness),
-                       span=None if spans is None else torch.from_numpy(spans), packed=rows_packed,
+                       span=None if spans is None else torch.from_numpy(spans), packed=rows_packed, shared=rows_shared,
                        **{name: torch.from_numpy(values) for name, values in per_token.items()})
     return batch.to(device) if device is not None else batch

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from operators.algorithms.batching import balanced_shards, length_sorted_chunks, packed_chunks, trained_token_counts
-from operators.algorithms.columns import Ragged, lengths, take
+from operators.algorithms.batching import balanced_shards, trained_token_counts
+from operators.algorithms.chunking import length_sorted_chunks, packed_chunks
+from operators.algorithms.columns import Ragged, as_ragged, lengths, take
+from operators.algorithms.shared_prompts import shared_chunks
 
 
 def is_informative(row: dict) -> bool:
@@ -151,14 +153,19 @@ def mini_batch_parts(count: int, parts: int, seed: int, version: int, epoch: int
     return [part.tolist() for part in np.array_split(order, parts)]
 
 
-def micro_batch_chunks(samples: dict, budget: int, packed: bool = False) -> list[list[int]]:
+def micro_batch_chunks(samples: dict, budget: int, packed: bool = False, share_prompts: bool = False) -> list[list[int]]:
     """Sample indices per micro-batch on one rank. Packed: at most `budget` tokens in all, first-fit
-    longest first (operators.algorithms.batching.packed_chunks). Padded: sorted by length, cut so that
+    longest first (operators.algorithms.chunking.packed_chunks). Padded: sorted by length, cut so that
     no micro-batch pads to more than `budget` tokens (on long-tailed response lengths this removes most
-    padding: short responses no longer pad to the longest one). Either way 0 means one batch, in arrival
-    order. The ranks then even out their counts (operators.algorithms.batching.split_to_count)."""
+    padding: short responses no longer pad to the longest one). Shared prompts: the same on units of a
+    prompt and its responses, so a group stays in one micro-batch where it fits (shared_prompts.shared_chunks).
+    Either way 0 means one batch, in arrival order. The ranks then even out their counts
+    (operators.algorithms.batching.split_to_count)."""
     count = len(samples["response_token_ids"])
     if not budget:
         return [list(range(count))] if count else []
+    if share_prompts:
+        return shared_chunks(as_ragged(samples["prompt_token_ids"], np.int64), lengths(samples["response_token_ids"]),
+                             budget)
     counts = sequence_lengths(samples)
     return packed_chunks(counts, budget) if packed else length_sorted_chunks(counts, budget)

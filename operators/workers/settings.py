@@ -55,6 +55,7 @@ class TrainerSettings:
     trust_remote_code: bool = False
     micro_batch_tokens: int = 0
     packing: bool = True  # micro-batches packed into rows with restarting positions, little padding (operators/algorithms/batching.py)
+    share_prompts: bool = False  # a group's prompt laid out once before its responses (operators/algorithms/shared_prompts.py)
     logits_chunk_tokens: int = 2048  # log-probs of at most this many positions at once (0: all at once)
     gradient_checkpointing: bool = False
     weight_bucket_mb: float = 256  # the weight channel's bucket size (operators/weights.py)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from operators.algorithms.batching import TokenBatch, check_packing, split_to_count, token_batch, trained_token_counts
+from operators.algorithms.shared_prompts import check_shared_prompts
 from operators.algorithms.columns import Ragged, is_complete
 from operators.algorithms.correction import mismatch_sums
 from operators.algorithms.loss_composition import StatSums, add_policy_stats, policy_token_loss, rank_aggregate
@@ -81,6 +82,7 @@ class TrainWorker(StateIO):
         self.engine = build_engine(torch, deepspeed, model, settings, config)
         self.pad_id = model.config.pad_token_id or 0
         self._one_row = check_packing(model, settings.packing, self.SECTION)  # flash-attention: one packed row
+        self._shared_mask = check_shared_prompts(model, settings.share_prompts, self.SECTION)  # None: not shared
         self._lm_head = chunkable_head(model)
         self._malloc_trim = libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
         # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
@@ -277,13 +279,13 @@ class TrainWorker(StateIO):
         rows, positions = targets.shape
         if self._lm_head is not None and chunk and rows * positions > chunk:  # plumbing: memory, same numbers
             out = self.engine(**inputs, output_hidden_states=True, logits_to_keep=1)
-            hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H]: the last layer's (normed) state before each token
+            hidden = batch.outputs(out.hidden_states[-1])  # [B, L-1, H]: the last layer's (normed) state before each token
             with gathered_head(self.deepspeed, self._lm_head, self.settings.zero_stage):
                 logprobs, entropy = chunked_logprobs(hidden, self._lm_head, targets, temperature, chunk, entropy_grad)
                 yield batch.unpack(logprobs), batch.unpack(entropy)  # [B, L-1] each (packed: unpacked per sequence)
             return
         # algorithm: log pi_theta at the sampling temperature
-        logits = self.engine(**inputs).logits[:, :-1].float() / temperature  # [B, L-1, V] ([P, W-1, V] packed)
+        logits = batch.outputs(self.engine(**inputs).logits).float() / temperature  # [B, L-1, V] ([P, W-1, V] packed)
         if entropy_grad:
             yield batch.unpack(token_logprobs(logits, targets)), batch.unpack(entropy_from_logits(logits))
             return
@@ -319,7 +321,8 @@ class TrainWorker(StateIO):
         and each backward reduces gradients with the other ranks, so the passes must pair up. A rank
         with fewer splits its largest ones; one with fewer samples than passes pads with empty
         micro-batches ([]), which run a pass of zero weight."""
-        chunks = micro_batch_chunks(samples, self.settings.micro_batch_tokens, self.settings.packing)
+        chunks = micro_batch_chunks(samples, self.settings.micro_batch_tokens, self.settings.packing,
+                                    self._shared_mask is not None)
         if self.world_size > 1:
             chunks = split_to_count(chunks, self._max_over_ranks(len(chunks)))
         return chunks
@@ -327,8 +330,12 @@ class TrainWorker(StateIO):
     def _batch_tensors(self, samples: dict) -> TokenBatch:
         """The samples as a TokenBatch on this rank's device, with this role's PER_TOKEN columns and
         those of its OPTIONAL_PER_TOKEN that every sample has; packed into rows under `packing`."""
-        return token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device,
-                           packed=self.settings.packing, one_row=self._one_row)
+        batch = token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device,
+                            packed=self.settings.packing, one_row=self._one_row,
+                            share_prompts=self._shared_mask is not None, budget=self.settings.micro_batch_tokens)
+        if self._shared_mask == "additive":  # eager attention adds its mask to the scores
+            batch.shared = batch.shared.additive(self.module_dtype())
+        return batch
 
     def _micro_batch_tensors(self, samples: dict):
         """Yield (indices, batch tensors, last) for each of `micro_batches(samples)`. An empty micro-batch

@@ -802,6 +802,13 @@ class TrainConfig(_Section):
         "sequence (a block-diagonal causal mask, no padding) for the policy, the critic and the reference model; "
         "the same loss and gradients as padded rows, without computing on padding. false: right-padded rows.",
     )
+    share_prompts: bool = Field(
+        False, description="Lay each group's prompt out once, before its responses, in the policy's packed "
+        "micro-batches: a 4D attention mask keeps each response to the prompt and itself, so the loss and "
+        "gradients are those of one sequence per response, and the prompt's tokens are computed once per group "
+        "instead of once per response (operators/algorithms/shared_prompts.py). Needs train.packing and SDPA or "
+        "eager attention; a row grows to at most 4x the longest sequence (more attention, fewer tokens)."
+    )
     logits_chunk_tokens: int = Field(
         2048, ge=0, description="Compute the log-probs and entropy of at most this many token positions "
         "(rows x positions) at once, recomputing them in backward, so a micro-batch never holds its whole "
@@ -880,6 +887,13 @@ class TrainConfig(_Section):
     max_nan_skips: int = Field(
         10, ge=0, description="With nan_policy: skip, fail the job after this many skipped steps in a run."
     )
+
+    @model_validator(mode="after")
+    def _shared_prompts_need_packing(self) -> "TrainConfig":
+        if self.share_prompts and not self.packing:
+            raise ValueError("train.share_prompts lays prompts out in packed rows and needs train.packing: true; "
+                             "set train.packing: true or train.share_prompts: false")
+        return self
 
 
 class CriticConfig(_Section):

@@ -23,7 +23,7 @@ POLICY_SETTINGS = {
     "lr": "train.lr", "betas": "train.betas", "weight_decay": "train.weight_decay", "grad_clip": "train.grad_clip",
     "zero_stage": "train.zero_stage", "dtype": "train.dtype", "seed": "train.seed",
     "torch_threads": "train.torch_threads", "micro_batch_tokens": "train.micro_batch_tokens",
-    "packing": "train.packing",
+    "packing": "train.packing", "share_prompts": "train.share_prompts",
     "logits_chunk_tokens": "train.logits_chunk_tokens", "gradient_checkpointing": "train.gradient_checkpointing",
     "weight_bucket_mb": "train.weight_bucket_mb", "nan_policy": "train.nan_policy",
     "weight_timeout_s": "rollout.weight_timeout_s", "verify_weights_every": "rollout.verify_weights_every",

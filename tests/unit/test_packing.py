@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from operators.algorithms.batching import length_sorted_chunks, packed_chunks, packed_inputs, padded_peak, token_batch
+from operators.algorithms.batching import packed_inputs, token_batch
+from operators.algorithms.chunking import length_sorted_chunks, packed_chunks, padded_peak
 
 
 def test_packed_chunks_keep_rows_x_width_within_the_budget_and_carry_more_tokens():

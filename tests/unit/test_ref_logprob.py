@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from operators.generate import Generate
-from operators.algorithms.batching import length_sorted_chunks
+from operators.algorithms.chunking import length_sorted_chunks
 from operators.ref_logprob import RefLogprob
 from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config
