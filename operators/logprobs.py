@@ -61,19 +61,27 @@ def next_token_logprobs(model, input_ids, attention, temperature: float, chunk_t
     (operators.algorithms.batching.PackedInputs). With `chunk_tokens` (> 0) and a plain head (chunkable_head), the backbone's last hidden
     state [B, L, H] is all the model returns and the head runs on at most `chunk_tokens` positions (rows x
     positions) at a time; otherwise (or when the batch is no larger than a chunk) the full logits are taken."""
-    import torch
-
     inputs = {"input_ids": input_ids, "attention_mask": attention}
     if position_ids is not None:
         inputs["position_ids"] = position_ids
     if attention is None:  # packed sequences (operators/algorithms/batching.py): read from the position ids, no cache
         inputs["use_cache"] = False
-    targets = input_ids[:, start + 1:]  # [B, L-1-start]
+    return logprobs_at(model, inputs, lambda values: values[:, start:-1], input_ids[:, start + 1:], temperature,
+                       chunk_tokens)
+
+
+def logprobs_at(model, inputs: dict, select, targets, temperature: float, chunk_tokens: int):
+    """Without a graph: log-probs [rows, T] of `targets` [rows, T], each read at the output position `select`
+    picks from the model's per-position outputs on `inputs` ([rows', W, ...] -> [rows, T, ...]; e.g. each
+    position but the last, or shared_prompts.SharedPromptInputs.select). The head runs in chunks as
+    next_token_logprobs says."""
+    import torch
+
     head = chunkable_head(model) if chunk_tokens and targets.numel() > chunk_tokens else None
     backbone = getattr(model, "base_model", model)
     with torch.no_grad():
         if head is None or backbone is model:
-            logits = model(**inputs).logits[:, start:-1].float() / temperature  # [B, L-1-start, V]
+            logits = select(model(**inputs).logits).float() / temperature  # [rows, T, V]
             return token_logprobs(logits, targets)
-        hidden = backbone(**inputs).last_hidden_state[:, start:-1]  # [B, L-1-start, H], the state the head reads
+        hidden = select(backbone(**inputs).last_hidden_state)  # [rows, T, H], the state the head reads
         return chunked_logprobs(hidden, head, targets, temperature, chunk_tokens, with_entropy=False)[0]

@@ -13,7 +13,8 @@ response, aligned with its tokens). Log-probs are of softmax(logits / temperatur
 engines and the trainer compute them, so the three agree at temperature != 1. The model is
 loaded once per actor, on the GPU Ray gave the actor if any, and never trained; sequences
 are scored in chunks of at most `micro_batch_tokens` tokens, packed into rows (`packing`, the
-default: little padding) or length-sorted and padded, and within a chunk the LM head runs on at most `logits_chunk_tokens` positions at a time, as in the trainer
+default: little padding; `share_prompts`: each group's prompt once, before its responses) or length-sorted
+and padded, and within a chunk the LM head runs on at most `logits_chunk_tokens` positions at a time, as in the trainer
 (operators/logprobs.py), so the [B, L, V] logits are never held at once. All other columns pass
 through.
 """
@@ -26,13 +27,14 @@ import pandas as pd
 
 from operators.algorithms.batching import packed_inputs
 from operators.algorithms.chunking import length_sorted_chunks, packed_chunks
+from operators.algorithms.shared_prompts import check_shared_prompts, shared_chunks, shared_prompt_inputs
 
 
 class RefLogprob:
     def __init__(
         self, model_path: str, temperature: float = 1.0, micro_batch_tokens: int = 4096, torch_threads: int = 1,
         dtype: str = "float32", trust_remote_code: bool = False, logits_chunk_tokens: int = 2048,
-        packing: bool = True,
+        packing: bool = True, share_prompts: bool = False,
     ):
         import torch
         from transformers import AutoModelForCausalLM
@@ -58,6 +60,10 @@ class RefLogprob:
 
         self.one_row = check_packing(self.model, packing, "reference")  # flash-attention: one packed row
         self.packing = bool(packing)
+        if share_prompts and not packing:
+            raise ValueError("share_prompts lays prompts out in packed rows: it needs packing=True")
+        # "bool" / "additive": a group's prompt laid out once (operators/algorithms/shared_prompts.py); None: not
+        self.shared_mask = check_shared_prompts(self.model, share_prompts, "train")
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         start = time.perf_counter()
@@ -76,10 +82,14 @@ class RefLogprob:
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per (prompt ids, response ids): the response tokens' log-probs, in order."""
         out: list[list[float] | None] = [None] * len(sequences)
-        lengths = [len(p) + len(r) for p, r in sequences]
-        cut = packed_chunks if self.packing else length_sorted_chunks
-        score = self._score_packed if self.packing else self._score_chunk
-        for chunk in cut(lengths, self.micro_batch_tokens):
+        if self.shared_mask is not None:
+            chunks = shared_chunks([p for p, _ in sequences], [len(r) for _, r in sequences], self.micro_batch_tokens)
+            score = self._score_shared
+        else:
+            cut = packed_chunks if self.packing else length_sorted_chunks
+            chunks = cut([len(p) + len(r) for p, r in sequences], self.micro_batch_tokens)
+            score = self._score_packed if self.packing else self._score_chunk
+        for chunk in chunks:
             for index, values in zip(chunk, score([sequences[i] for i in chunk])):
                 out[index] = values
         return out
@@ -92,6 +102,19 @@ class RefLogprob:
         logprobs = next_token_logprobs(self.model, packed.input_ids, None, self.temperature, self.logits_chunk_tokens,
                                        position_ids=packed.position_ids)  # [P, W-1]
         logprobs = packed.unpack(logprobs).cpu()  # [B, L-1]: position t of row b predicts token t + 1 of sequence b
+        return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
+
+    def _score_shared(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Each prompt laid out once before its responses (operators/algorithms/shared_prompts.py)."""
+        from operators.logprobs import logprobs_at
+
+        shared = shared_prompt_inputs([p for p, _ in sequences], [r for _, r in sequences], self.pad_id,
+                                      self.micro_batch_tokens).to(self.device)
+        if self.shared_mask == "additive":  # eager attention adds its mask to the scores
+            shared = shared.additive(self.model.dtype)
+        logprobs = logprobs_at(self.model, shared.model_inputs(), shared.select, shared.target[None], self.temperature,
+                               self.logits_chunk_tokens)  # [1, N]
+        logprobs = shared.scatter(logprobs).cpu()  # [B, L-1]: position t of row b predicts token t + 1 of sequence b
         return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
 
     def _score_chunk(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:

@@ -189,7 +189,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
                 temperature=cfg.rollout.temperature, micro_batch_tokens=ref.micro_batch_tokens,
                 torch_threads=ref.torch_threads, dtype=ref.dtype, trust_remote_code=cfg.model.trust_remote_code,
                 logits_chunk_tokens=cfg.train.logits_chunk_tokens,  # the trainer's chunks: no [B, T, V] logits
-                packing=cfg.train.packing,  # packed like the trainer's micro-batches
+                packing=cfg.train.packing, share_prompts=cfg.train.share_prompts,  # laid out as the trainer's
             ),
             ActorPoolStrategy(size=ref.num_actors), {"num_cpus": ref.num_cpus, **remote_args.get("reference", {})},
             requires=("prompt_token_ids", "response_token_ids"), produces=("ref_logprobs",),

@@ -55,6 +55,23 @@ def test_packed_scoring_equals_padded(tiny_model_path):
             np.testing.assert_allclose(np.concatenate(b), np.concatenate(a), atol=1e-5)
 
 
+def test_shared_prompt_scoring_equals_padded(tiny_model_path):
+    """train.share_prompts reaches the reference model: each group's prompt once, before its 4 responses, gives
+    the padded log-probs: whole, in micro-batches of a group or less, and with the head on 3 positions at a time."""
+    rows = generated(tiny_model_path, 0.7)
+    padded = RefLogprob(tiny_model_path, temperature=0.7, packing=False)(rows)["ref_logprobs"]
+    for budget, head_chunk in ((10**6, 2048), (14, 3)):
+        ref = RefLogprob(tiny_model_path, temperature=0.7, micro_batch_tokens=budget, share_prompts=True,
+                         logits_chunk_tokens=head_chunk)
+        assert ref.shared_mask in ("bool", "additive")
+        shared = ref(rows)["ref_logprobs"]
+        for a, b in zip(padded, shared):
+            assert [len(x) for x in a] == [len(x) for x in b]
+            np.testing.assert_allclose(np.concatenate(b), np.concatenate(a), atol=1e-5)
+    with pytest.raises(ValueError, match="needs packing=True"):
+        RefLogprob(tiny_model_path, packing=False, share_prompts=True)
+
+
 def test_reference_config_is_checked_up_front(tmp_path):
     assert load_config(None, ["reference.num_actors=2"]).reference.model_path is None  # the starting policy
     with pytest.raises(ConfigError) as err:
