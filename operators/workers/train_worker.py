@@ -22,11 +22,11 @@ from contextlib import contextmanager
 import numpy as np
 
 from operators.algorithms.batching import TokenBatch, check_packing, split_to_count, token_batch, trained_token_counts
-from operators.algorithms.shared_prompts import check_shared_prompts
 from operators.algorithms.columns import Ragged, is_complete
 from operators.algorithms.correction import mismatch_sums
 from operators.algorithms.loss_composition import StatSums, add_policy_stats, policy_token_loss, rank_aggregate
 from operators.algorithms.losses import entropy_from_logits, token_logprobs
+from operators.algorithms.shared_prompts import check_shared_prompts
 from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts, subset
 from operators.devices import local_device
 from operators.logprobs import chunkable_head, chunked_logprobs
