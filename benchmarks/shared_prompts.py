@@ -2,7 +2,12 @@
 packing (`train.packing`, the default), on the job's own model, prompts and trainer settings.
 
     python benchmarks/shared_prompts.py [--config configs/smollm2_basic_arithmetic.yaml] [--groups 4]
-                                        [--median 60] [--rounds 4] [--out shared_prompts.json]
+                                        [--median 60] [--rounds 4] [--stage train|reference]
+                                        [--out shared_prompts.json]
+
+`--stage reference`: the reference model's forward (RefLogprob, as the job's ref_logprob stage builds it: the
+config's `reference` section or its defaults) instead of the train step, and the largest difference of the two
+layouts' log-probs instead of the loss.
 
 One DeepSpeed rank in this process (no Ray) per layout, built from the config's trainer settings (the real-model
 config: SmolLM2-135M-Instruct, fp32, micro-batches of 2048 tokens, one torch thread). Prompts: the config's
@@ -59,14 +64,18 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="groups in the step (default: the config's 4 x n 8)")
     parser.add_argument("--median", type=float, default=60.0, help="median response length, tokens")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--stage", choices=("train", "reference"), default="train",
+                        help="the policy's train step, or the reference model's forward (RefLogprob)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="shared_prompts.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+    from operators.ref_logprob import RefLogprob
     from operators.workers.deepspeed_setup import free_port
     from operators.workers.train_worker import TrainWorker
     from pipelines.config.load import load_config
+    from pipelines.config.schema import ReferenceConfig
     from pipelines.data.models import resolve_model_path
     from pipelines.runtime.trainer_settings import trainer_settings
 
@@ -79,32 +88,52 @@ def main() -> None:
     print(f"{args.groups} groups x {cfg.rollout.n}: prompts {min(prompt_len)}-{max(prompt_len)} tokens, responses "
           f"p50 {np.median(response_len):.0f} max {max(response_len)} (sum {tokens}); "
           f"train.micro_batch_tokens {cfg.train.micro_batch_tokens}, {cfg.train.torch_threads} thread(s)", flush=True)
-    layouts = {"packed": [], "shared": ["train.share_prompts=true"]}
-    workers, slots, losses, times = {}, {}, {}, {name: [] for name in layouts}
+    layouts = {"packed": ["train.share_prompts=false"], "shared": ["train.share_prompts=true"]}
+    runners, slots, first, times = {}, {}, {}, {name: [] for name in layouts}
     for name, sets in layouts.items():
-        worker = TrainWorker(0, 1, free_port(), trainer_settings(load_config(args.config, args.overrides + sets), path))
+        layout_cfg = load_config(args.config, args.overrides + sets)
+        if args.stage == "train":
+            worker = TrainWorker(0, 1, free_port(), trainer_settings(layout_cfg, path))
+            embed = worker.engine.module.model.embed_tokens
+
+            def run(worker=worker):
+                return worker.train_step(samples, tokens, len(response_len))["policy_loss"]
+        else:  # the reference model's forward, as the job's ref_logprob stage builds it (pipelines/stages.py)
+            ref = RefLogprob(path, temperature=cfg.rollout.temperature, micro_batch_tokens=(cfg.reference or ReferenceConfig()).micro_batch_tokens,
+                             torch_threads=cfg.train.torch_threads, logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                             share_prompts=layout_cfg.train.share_prompts)
+            embed = ref.model.model.embed_tokens
+            sequences = list(zip(samples["prompt_token_ids"], samples["response_token_ids"]))
+
+            def run(ref=ref, sequences=sequences):
+                return np.concatenate(ref.score(sequences))
         seen = []
-        worker.engine.module.model.embed_tokens.register_forward_hook(lambda m, a, o, seen=seen: seen.append(a[0].numel()))
-        out = worker.train_step(samples, tokens, len(response_len))  # warm-up; the same weights and samples
-        workers[name], slots[name], losses[name] = worker, sum(seen), out["policy_loss"]
-        print(f"{name}: forward on {slots[name]} token slots in {out['micro_batches']} micro-batch(es); first loss "
-              f"{out['policy_loss']:.6f}", flush=True)
+        embed.register_forward_hook(lambda m, a, o, seen=seen: seen.append(a[0].numel()))
+        first[name] = run()  # warm-up; the same weights and samples
+        runners[name], slots[name] = run, sum(seen)
+        print(f"{name}: forward on {slots[name]} token slots", flush=True)
+    if args.stage == "train":
+        agreement = {"first_loss": first}
+        print(f"first loss: packed {first['packed']:.6f}, shared {first['shared']:.6f}")
+    else:
+        agreement = {"max_abs_logprob_difference": float(np.abs(first["packed"] - first["shared"]).max())}
+        print(f"log-probs of {len(first['packed'])} tokens, largest difference {agreement['max_abs_logprob_difference']:.2e}")
     for round_ in range(args.rounds):
-        for name, worker in workers.items():
+        for name, run in runners.items():
             start = time.perf_counter()
-            worker.train_step(samples, tokens, len(response_len))
+            run()
             times[name].append(time.perf_counter() - start)
         print(f"round {round_ + 1}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()), flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
     ratio = medians["packed"] / medians["shared"]
-    print(f"median step: packed {medians['packed']:.3f} s, shared {medians['shared']:.3f} s: {ratio:.2f}x; token slots "
+    print(f"median {args.stage} step: packed {medians['packed']:.3f} s, shared {medians['shared']:.3f} s: {ratio:.2f}x; token slots "
           f"{slots['packed']} -> {slots['shared']} ({slots['packed'] / slots['shared']:.2f}x fewer)")
     record = {
         "command": " ".join(["python", "benchmarks/shared_prompts.py", *sys.argv[1:]]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
         "load_average": os.getloadavg(), "config": args.config, "overrides": args.overrides,
         "groups": args.groups, "n": cfg.rollout.n, "prompt_tokens": prompt_len[::cfg.rollout.n],
-        "response_tokens": response_len, "token_slots": slots, "first_loss": losses,
+        "stage": args.stage, "response_tokens": response_len, "token_slots": slots, **agreement,
         "step_seconds": times, "median_step_seconds": medians, "speedup": ratio,
     }
     out = HERE / "results" / args.out
