@@ -36,10 +36,12 @@ from operators.weights import as_weight_set, fetch
 
 class Value:
     def __init__(self, model_path: str, value_store=None, torch_threads: int = 1,
-                 trust_remote_code: bool = False, admission_timeout_s: float | None = None, packing: bool = True):
+                 trust_remote_code: bool = False, admission_timeout_s: float | None = None, packing: bool = True,
+                 share_prompts: bool = False):
         """`model_path`: the critic folder (a checkpoint's critic/model export, or with a store any folder of
         the same architecture: the store's weights replace its own). `packing`: score the responses packed
-        into rows (little padding; operators/algorithms/batching.py), else right-padded rows."""
+        into rows (little padding; operators/algorithms/batching.py), else right-padded rows. `share_prompts`:
+        each group's prompt once, before its responses (operators/algorithms/shared_prompts.py)."""
         import torch
         from transformers import AutoModelForTokenClassification
 
@@ -57,6 +59,11 @@ class Value:
 
         self.one_row = check_packing(self.model, packing, "critic")  # flash-attention: one packed row
         self.packing = bool(packing)
+        if share_prompts and not packing:
+            raise ValueError("share_prompts lays prompts out in packed rows: it needs packing=True")
+        from operators.algorithms.shared_prompts import check_shared_prompts
+
+        self.shared_mask = check_shared_prompts(self.model, share_prompts, "train")  # None: not shared
         self.admission_timeout_s = admission_timeout_s
         self.store = None
         self.critic_version = 0  # the folder's weights
@@ -107,6 +114,18 @@ class Value:
             return self.model(input_ids=input_ids.to(self.device),
                               attention_mask=attention.to(self.device)).logits[:, :-1, 0].float().cpu()  # [B, L-1]
 
+    def _shared_scores(self, prompts: list[list[int]], responses: list[list[int]]):
+        """As _scores, each prompt laid out once before its responses: [B, L-1], 0 at the prompt positions
+        (only the response tokens' states are read)."""
+        from operators.algorithms.shared_prompts import shared_prompt_inputs
+
+        shared = shared_prompt_inputs(prompts, responses, self.pad_id).to(self.device)
+        if self.shared_mask == "additive":  # eager attention adds its mask to the scores
+            shared = shared.additive(self.model.dtype)
+        with self.torch.no_grad():
+            scores = shared.select(self.model(**shared.model_inputs()).logits)[..., 0].float()  # [1, N]
+        return shared.scatter(scores).cpu()  # [B, L-1]
+
     def score(self, batch: pd.DataFrame) -> pd.DataFrame:
         """The batch with `values` from the weights loaded now; all responses in one forward."""
         start = time.perf_counter()
@@ -118,7 +137,11 @@ class Value:
                 sequences.append(list(prompt) + list(response))
         values = [[] for _ in range(len(batch))]
         if sequences:
-            scores = self._scores(sequences)  # [B, L-1]
+            if self.shared_mask is not None:  # each prompt once, before its responses
+                scores = self._shared_scores([seq[:p] for seq, (_, p, _) in zip(sequences, spans)],
+                                             [seq[p:] for seq, (_, p, _) in zip(sequences, spans)])  # [B, L-1]
+            else:
+                scores = self._scores(sequences)  # [B, L-1]
             for index, (row, prompt_len, response_len) in enumerate(spans):
                 # position i's value is of the state that predicts token i + 1: the same shift as the trainer's
                 values[row].append(scores[index, prompt_len - 1:prompt_len - 1 + response_len].double().tolist())

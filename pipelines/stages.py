@@ -198,7 +198,8 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
         out.append(Stage(
             Value,
             dict(model_path=critics.model_path, value_store=critics.store, torch_threads=cfg.critic.torch_threads,
-                 trust_remote_code=cfg.model.trust_remote_code, packing=cfg.train.packing),
+                 trust_remote_code=cfg.model.trust_remote_code, packing=cfg.train.packing,
+                 share_prompts=cfg.train.share_prompts),
             ActorPoolStrategy(size=1), {"num_cpus": cfg.critic.value_num_cpus},
             requires=("prompt_token_ids", "response_token_ids"), produces=("values", "critic_version"),
         ))

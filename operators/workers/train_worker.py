@@ -82,7 +82,7 @@ class TrainWorker(StateIO):
         self.engine = build_engine(torch, deepspeed, model, settings, config)
         self.pad_id = model.config.pad_token_id or 0
         self._one_row = check_packing(model, settings.packing, self.SECTION)  # flash-attention: one packed row
-        self._shared_mask = check_shared_prompts(model, settings.share_prompts, self.SECTION)  # None: not shared
+        self._shared_mask = check_shared_prompts(model, settings.share_prompts)  # None: not shared (train.share_prompts for both roles)
         self._lm_head = chunkable_head(model)
         self._malloc_trim = libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
         # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none

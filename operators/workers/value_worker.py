@@ -59,8 +59,8 @@ class ValueWorker(TrainWorker):
 
     def values(self, batch: TokenBatch):
         """V of the state before each next token, in shifted coordinates [B, L-1] (as the mask); a packed
-        batch's values are unpacked per sequence."""
-        return batch.unpack(self.engine(**batch.model_inputs()).logits[:, :-1, 0].float())
+        batch's values are unpacked per sequence (shared prompts: read at each response token's state)."""
+        return batch.unpack(batch.outputs(self.engine(**batch.model_inputs()).logits)[..., 0].float())
 
     def _loss(self, part: dict, global_tokens: float, stats: StatSums):
         """Yield (loss, last) per micro-batch: the clipped value loss summed over its tokens, divided by this

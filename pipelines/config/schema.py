@@ -804,7 +804,7 @@ class TrainConfig(_Section):
     )
     share_prompts: bool = Field(
         False, description="Lay each group's prompt out once, before its responses, in the policy's packed "
-        "micro-batches and the reference model's (not the critic's): a 4D attention mask keeps each response to the prompt and itself, so the loss and "
+        "micro-batches, the reference model's and the critic's: a 4D attention mask keeps each response to the prompt and itself, so the loss and "
         "gradients are those of one sequence per response, and the prompt's tokens are computed once per group "
         "instead of once per response (operators/algorithms/shared_prompts.py). Needs train.packing and SDPA or "
         "eager attention; a row grows to at most 4x the longest sequence (more attention, fewer tokens)."

@@ -39,7 +39,7 @@ POLICY_SETTINGS = {
 # mini-batches), seed and NaN policy; none of the policy loss's settings (the critic's loss is its own).
 CRITIC_SETTINGS = {
     **{name: POLICY_SETTINGS[name] for name in (
-        "seed", "micro_batch_tokens", "packing", "gradient_checkpointing", "weight_bucket_mb", "nan_policy",
+        "seed", "micro_batch_tokens", "packing", "share_prompts", "gradient_checkpointing", "weight_bucket_mb", "nan_policy",
         "zero3_persistence_threshold", "ppo_epochs", "mini_batches", "trust_remote_code")},
     "lr": "critic.lr", "grad_clip": "critic.grad_clip", "zero_stage": "critic.zero_stage",
     "torch_threads": "critic.torch_threads",

@@ -233,31 +233,40 @@ def test_critic_resources_are_planned_and_only_they_may_change_on_resume():
 
 
 def test_packed_critic_step_and_value_stage_equal_the_padded_ones(tiny_model_path):
-    """train.packing reaches the critic: its step (value loss, gradient norm, weights) and the Value stage's
-    values are the padded ones', computed on packed rows."""
+    """train.packing and train.share_prompts reach the critic: its step (value loss, gradient norm, weights) and
+    the Value stage's values are the padded ones', computed on packed rows and on rows with each group's
+    prompt once."""
     from operators.value import Value
 
     samples = critic_samples(tiny_model_path)
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["response_token_ids"])
+    layouts = {"padded": {"train.packing": "false"}, "packed": {}, "shared": {"train.share_prompts": "true"}}
     steps = {}
-    for packing in (False, True):
-        critic = make_critic(tiny_model_path, **{"train.packing": str(packing).lower(), "train.micro_batch_tokens": 20})
-        assert critic.settings.packing is packing
-        steps[packing] = (critic.train_step(samples, tokens, count), critic.state_dict())
-    (padded, padded_weights), (packed, packed_weights) = steps[False], steps[True]
-    np.testing.assert_allclose(packed["value_loss"], padded["value_loss"], rtol=1e-5)
-    np.testing.assert_allclose(packed["grad_norm"], padded["grad_norm"], rtol=1e-5)
-    for name in padded_weights:  # Adam's first step is ~lr * sign(g): a near-zero gradient may flip (see
-        # test_trainer_device._assert_same_step); a misweighted or lost token would move many elements by ~2 lr
-        diff = np.abs(np.asarray(packed_weights[name], dtype=np.float64) - np.asarray(padded_weights[name], dtype=np.float64))
-        assert diff.max() <= 0.01 and (diff > 1e-5).mean() <= 1e-3, (name, float(diff.max()), int((diff > 1e-5).sum()))
+    for name, sets in layouts.items():
+        critic = make_critic(tiny_model_path, **{**sets, "train.micro_batch_tokens": 20})
+        assert critic.settings.packing is (name != "padded") and (critic._shared_mask is not None) is (name == "shared")
+        steps[name] = (critic.train_step(samples, tokens, count), critic.state_dict())
+    padded, padded_weights = steps["padded"]
+    for name in ("packed", "shared"):
+        step, weights = steps[name]
+        np.testing.assert_allclose(step["value_loss"], padded["value_loss"], rtol=1e-5)
+        np.testing.assert_allclose(step["grad_norm"], padded["grad_norm"], rtol=1e-5)
+        for key in padded_weights:  # Adam's first step is ~lr * sign(g): a near-zero gradient may flip (see
+            # test_trainer_device._assert_same_step); a misweighted or lost token would move many elements by ~2 lr
+            diff = np.abs(np.asarray(weights[key], dtype=np.float64) - np.asarray(padded_weights[key], dtype=np.float64))
+            assert diff.max() <= 0.01 and (diff > 1e-5).mean() <= 1e-3, (name, key, float(diff.max()))
 
     rows = pd.DataFrame({"prompt_token_ids": [list(samples["prompt_token_ids"][0]), list(samples["prompt_token_ids"][4])],
                          "response_token_ids": [samples["response_token_ids"][:4], samples["response_token_ids"][4:]]})
     values = {}
-    for packing in (False, True):
-        torch.manual_seed(0)  # the folder has no value head: the same freshly initialised one for both
-        values[packing] = next(iter(Value(tiny_model_path, packing=packing)(rows)))["values"]
-    for padded_row, packed_row in zip(values[False], values[True]):
-        for a, b in zip(padded_row, packed_row):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    for name, packing, share in (("padded", False, False), ("packed", True, False), ("shared", True, True)):
+        torch.manual_seed(0)  # the folder has no value head: the same freshly initialised one for each
+        stage = Value(tiny_model_path, packing=packing, share_prompts=share)
+        assert (stage.shared_mask is not None) is share
+        values[name] = next(iter(stage(rows)))["values"]
+    for name in ("packed", "shared"):
+        assert [[len(v) for v in row] for row in values[name]] == [[len(r) for r in rows["response_token_ids"][i]]
+                                                                   for i in range(len(rows))], name
+        for padded_row, row in zip(values["padded"], values[name]):
+            for a, b in zip(padded_row, row):
+                np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
