@@ -60,10 +60,8 @@ class RefLogprob:
 
         self.one_row = check_packing(self.model, packing, "reference")  # flash-attention: one packed row
         self.packing = bool(packing)
-        if share_prompts and not packing:
-            raise ValueError("share_prompts lays prompts out in packed rows: it needs packing=True")
         # "bool" / "additive": a group's prompt laid out once (operators/algorithms/shared_prompts.py); None: not
-        self.shared_mask = check_shared_prompts(self.model, share_prompts, "train")
+        self.shared_mask = check_shared_prompts(self.model, share_prompts, packing)
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         start = time.perf_counter()
@@ -109,9 +107,8 @@ class RefLogprob:
         from operators.logprobs import logprobs_at
 
         shared = shared_prompt_inputs([p for p, _ in sequences], [r for _, r in sequences], self.pad_id,
-                                      self.micro_batch_tokens).to(self.device)
-        if self.shared_mask == "additive":  # eager attention adds its mask to the scores
-            shared = shared.additive(self.model.dtype)
+                                      self.micro_batch_tokens).to(self.device).for_kernel(self.shared_mask,
+                                                                                          self.model.dtype)
         logprobs = logprobs_at(self.model, shared.model_inputs(), shared.select, shared.target[None], self.temperature,
                                self.logits_chunk_tokens)  # [1, N]
         logprobs = shared.scatter(logprobs).cpu()  # [B, L-1]: position t of row b predicts token t + 1 of sequence b

@@ -59,11 +59,9 @@ class Value:
 
         self.one_row = check_packing(self.model, packing, "critic")  # flash-attention: one packed row
         self.packing = bool(packing)
-        if share_prompts and not packing:
-            raise ValueError("share_prompts lays prompts out in packed rows: it needs packing=True")
         from operators.algorithms.shared_prompts import check_shared_prompts
 
-        self.shared_mask = check_shared_prompts(self.model, share_prompts, "train")  # None: not shared
+        self.shared_mask = check_shared_prompts(self.model, share_prompts, packing)  # None: not shared
         self.admission_timeout_s = admission_timeout_s
         self.store = None
         self.critic_version = 0  # the folder's weights
@@ -119,9 +117,8 @@ class Value:
         (only the response tokens' states are read)."""
         from operators.algorithms.shared_prompts import shared_prompt_inputs
 
-        shared = shared_prompt_inputs(prompts, responses, self.pad_id).to(self.device)
-        if self.shared_mask == "additive":  # eager attention adds its mask to the scores
-            shared = shared.additive(self.model.dtype)
+        shared = shared_prompt_inputs(prompts, responses, self.pad_id).to(self.device).for_kernel(self.shared_mask,
+                                                                                                  self.model.dtype)
         with self.torch.no_grad():
             scores = shared.select(self.model(**shared.model_inputs()).logits)[..., 0].float()  # [1, N]
         return shared.scatter(scores).cpu()  # [B, L-1]

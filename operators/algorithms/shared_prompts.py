@@ -101,6 +101,11 @@ class SharedPromptInputs:
         flat = torch.zeros(self.shape[0] * self.shape[1], dtype=values.dtype, device=values.device)
         return flat.index_put((self.dest,), values.reshape(-1)).reshape(self.shape)
 
+    def for_kernel(self, mask_kind: str | None, dtype) -> SharedPromptInputs:
+        """The inputs as the attention kernel reads them (`mask_kind` from check_shared_prompts): an additive mask
+        of `dtype` for eager attention, which adds it to its scores; as they are for SDPA."""
+        return self.additive(dtype) if mask_kind == "additive" else self
+
     def additive(self, dtype) -> SharedPromptInputs:
         """The same inputs with an additive mask of `dtype` (eager attention adds the mask to its scores)."""
         import torch
@@ -181,12 +186,15 @@ def shared_chunks(prompts: list, response_lengths, budget: int) -> list[list[int
     return [sorted(i for unit in chunk for i in units[unit]) for chunk in chunks]
 
 
-def check_shared_prompts(model, share_prompts: bool, section: str = "train") -> str | None:
+def check_shared_prompts(model, share_prompts: bool, packing: bool = True, section: str = "train") -> str | None:
     """How the model takes the shared-prompt mask: "bool" (SDPA), "additive" (eager attention adds it to its
-    scores), or None when prompts are not shared. Raises a clear error for an attention kernel that cannot
-    read a 4D mask (flash-attention's varlen kernels; any other)."""
+    scores), or None when prompts are not shared. Raises a clear error without packing, and for an attention
+    kernel that cannot read a 4D mask (flash-attention's varlen kernels; any other)."""
     if not share_prompts:
         return None
+    if not packing:
+        raise ValueError(f"{section}.share_prompts lays prompts out in packed rows: it needs packing=True "
+                         f"({section}.packing: true)")
     # transformers keeps the attention kernel in a private config attribute; it is set on every loaded model
     kernel = str(getattr(model.config, "_attn_implementation", "") or "")
     if kernel in ("sdpa", "eager"):

@@ -82,7 +82,7 @@ class TrainWorker(StateIO):
         self.engine = build_engine(torch, deepspeed, model, settings, config)
         self.pad_id = model.config.pad_token_id or 0
         self._one_row = check_packing(model, settings.packing, self.SECTION)  # flash-attention: one packed row
-        self._shared_mask = check_shared_prompts(model, settings.share_prompts)  # None: not shared (train.share_prompts for both roles)
+        self._shared_mask = check_shared_prompts(model, settings.share_prompts, settings.packing)  # None: not shared (train.share_prompts for both roles)
         self._lm_head = chunkable_head(model)
         self._malloc_trim = libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
         # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
@@ -333,8 +333,8 @@ class TrainWorker(StateIO):
         batch = token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device,
                             packed=self.settings.packing, one_row=self._one_row,
                             share_prompts=self._shared_mask is not None, budget=self.settings.micro_batch_tokens)
-        if self._shared_mask == "additive":  # eager attention adds its mask to the scores
-            batch.shared = batch.shared.additive(self.module_dtype())
+        if batch.shared is not None:
+            batch.shared = batch.shared.for_kernel(self._shared_mask, self.module_dtype())
         return batch
 
     def _micro_batch_tensors(self, samples: dict):
