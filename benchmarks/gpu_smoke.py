@@ -11,8 +11,8 @@ peak GPU memory, the train step's MFU, and the first update's ratio pi_theta / p
 which should be ~1 (the engine and the trainer hold the same weights; bf16 rounding aside).
 
 Then two measurements of their own (each section's failure is recorded and the next one still runs):
-- padding: the last step's samples trained padded and packed by turns (A B A B), seconds and peak
-  memory of each (`train.packing`);
+- padding: the last step's samples trained padded, packed and with each group's prompt laid out once, by
+  turns (A B C A B C), seconds and peak memory of each (`train.packing`, `train.share_prompts`);
 - weight path at a 7B shape (random Qwen2-7B weights in bf16 on the GPU, no trainer): pack into host
   buckets, broadcast over the loopback gloo group, load into a second copy on the GPU, with pageable
   and with pinned host buffers (`BucketBuffers(pin_memory=...)`), each a cold and a reused round; the
@@ -142,13 +142,17 @@ def workload(prompts: list, groups: list, rng) -> dict:
 
 
 def padding_rounds(trainer, samples: dict, generated: int, rounds: int) -> dict:
-    """The same samples trained padded and packed by turns (A B A B): seconds, micro-batches, peak memory."""
+    """The same samples trained padded, packed and with shared prompts by turns (A B C A B C): seconds,
+    micro-batches, peak memory. Each variant trains the weights the one before it left (the figures are
+    about speed and memory)."""
     import dataclasses
 
     import torch
 
     packed = trainer.settings
-    variants = {"padded": dataclasses.replace(packed, packing=False), "packed": packed}
+    variants = {"padded": dataclasses.replace(packed, packing=False, share_prompts=False),
+                "packed": dataclasses.replace(packed, share_prompts=False),
+                "shared": dataclasses.replace(packed, share_prompts=True)}
     out = {name: {"train_s": [], "peak_gpu_memory_gib": [], "micro_batches": None} for name in variants}
     try:
         for _ in range(rounds):
@@ -169,6 +173,7 @@ def padding_rounds(trainer, samples: dict, generated: int, rounds: int) -> dict:
     finally:
         trainer.settings = packed
     out["padded_over_packed"] = min(out["padded"]["train_s"]) / min(out["packed"]["train_s"])
+    out["packed_over_shared"] = min(out["packed"]["train_s"]) / min(out["shared"]["train_s"])
     return out
 
 
@@ -177,7 +182,9 @@ def packing_check(trainer, samples: dict) -> dict:
     they are, beside how far two padded layouts are (micro-batches a quarter as large), and how far each layout
     is from the engine's own log-probs of the same weights (the HF engine computes in fp32, the trainer in its
     training dtype). A packed row whose sequences saw each other would sit further from the engine than the
-    padded rows do; rounding in the training dtype keeps both about as far."""
+    padded rows do; rounding in the training dtype keeps both about as far. The shared layout (each group's
+    prompt once, a 4D mask: SDPA's masked kernels on CUDA) is held to the same: a response that saw a
+    group-mate would sit as far off."""
     import dataclasses
 
     import numpy as np
@@ -191,9 +198,10 @@ def packing_check(trainer, samples: dict) -> dict:
         finally:
             trainer.settings = base
 
-    packed = logprobs(packing=True)
-    padded = logprobs(packing=False)
-    padded_small = logprobs(packing=False, micro_batch_tokens=max(base.micro_batch_tokens // 4, 1))
+    packed = logprobs(packing=True, share_prompts=False)
+    padded = logprobs(packing=False, share_prompts=False)
+    padded_small = logprobs(packing=False, share_prompts=False, micro_batch_tokens=max(base.micro_batch_tokens // 4, 1))
+    shared = logprobs(packing=True, share_prompts=True)
 
     def apart(a: np.ndarray, b: np.ndarray) -> dict:
         gap = np.abs(a - b)
@@ -202,7 +210,8 @@ def packing_check(trainer, samples: dict) -> dict:
     engine = np.concatenate([np.asarray(row, dtype=np.float64) for row in samples["behavior_logprobs"]])
     out = {"tokens": int(packed.size), "packed_vs_padded": apart(packed, padded),
            "padded_vs_padded_smaller": apart(padded, padded_small),
-           "packed_vs_engine": apart(packed, engine), "padded_vs_engine": apart(padded, engine)}
+           "shared_vs_padded": apart(shared, padded), "packed_vs_engine": apart(packed, engine),
+           "padded_vs_engine": apart(padded, engine), "shared_vs_engine": apart(shared, engine)}
     print(json.dumps({"packing_check": out}), flush=True)
     return out
 

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_gpu_smoke_script_trains_delivers_each_version_and_compares_padding(tmp_path):
+def test_the_gpu_smoke_script_trains_delivers_each_version_and_compares_layouts(tmp_path):
     out = tmp_path / "smoke.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--tiny", "--steps", "2", "--prompts", "4",
@@ -36,8 +36,12 @@ def test_the_gpu_smoke_script_trains_delivers_each_version_and_compares_padding(
     assert check["tokens"] == report["steps"][0]["trained_response_tokens"]
     assert check["packed_vs_padded"]["max"] < 1e-3
     assert check["packed_vs_engine"]["mean"] <= check["padded_vs_engine"]["mean"] + 1e-4
+    # each group's prompt laid out once (train.share_prompts): the same log-probs, as far from the engine's
+    assert check["shared_vs_padded"]["max"] < 1e-3
+    assert check["shared_vs_engine"]["mean"] <= check["padded_vs_engine"]["mean"] + 1e-4
     padding = report["padding"]
-    assert len(padding["padded"]["train_s"]) == len(padding["packed"]["train_s"]) == 1
+    assert len(padding["padded"]["train_s"]) == len(padding["packed"]["train_s"]) == len(padding["shared"]["train_s"]) == 1
+    assert padding["shared"]["micro_batches"] >= 1 and padding["packed_over_shared"] > 0
     rounds = report["weight_path"]["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]  # pageable buffers only: pinning needs CUDA
     assert all(r["equal_to_source"] and not r["pinned"] for r in rounds)
