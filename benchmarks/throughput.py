@@ -23,6 +23,10 @@ evaluation off):
 
     python benchmarks/throughput.py --size smollm2 --engine vllm --steps 6 --modes real_ablation \
         --name throughput_smollm2
+
+Mode suffixes change one thing of their mode: "_padded" right-padded micro-batches (train.packing false),
+"_bf16" the trainer and vLLM in bf16, "_shared" each group's prompt trained once (train.share_prompts; every
+other mode sets it off, whatever the config says).
 """
 
 from __future__ import annotations
@@ -85,6 +89,11 @@ for _base in ("plain", "sync", "inflight2", "partial2"):
     MODES[f"{_base}_padded"] = dict(MODES[_base], sets=["train.packing=false"],
                                     text=MODES[_base]["text"] + "; padded micro-batches")
     MODES[f"{_base}_bf16"] = dict(MODES[_base], sets=BF16, text=MODES[_base]["text"] + "; bf16 trainer and vLLM")
+# Issue 28: each group's prompt laid out once in the trainer's packed micro-batches (train.share_prompts);
+# "_shared" on top of any mode above, the rest of the mode unchanged.
+for _base in ("plain", "sync", "inflight2", "partial2", "partial2_t2", "plain_bf16", "inflight2_bf16"):
+    MODES[f"{_base}_shared"] = dict(MODES[_base], sets=MODES[_base].get("sets", []) + ["train.share_prompts=true"],
+                                    text=MODES[_base]["text"] + "; each group's prompt trained once")
 TRAINER = ["plain_padded", "inflight2_padded", "plain", "sync", "inflight2", "plain_bf16", "sync_bf16",
            "inflight2_bf16", "partial2_bf16"]
 ABLATION = ["sync_call", "sync", "stream2_call", "inflight0", "inflight1", "inflight2", "partial1", "partial2",
@@ -112,6 +121,9 @@ def mode_config(mode: str, model_path: str, args):
         *([f"rollout.in_flight={str(spec['in_flight']).lower()}"] if "in_flight" in spec else []),
         # explicit both ways: partial rollout is the default for an in-flight vllm engine (issue 26, 4h)
         f"rollout.partial_rollout={str(bool(spec.get('partial'))).lower()}",
+        # explicit both ways: the real-model config shares prompts, and a mode without "_shared" trains each
+        # prompt per response, as every record before train.share_prompts did
+        "train.share_prompts=false",
         *spec.get("sets", []),
         *(["eval=null", "train.checkpoint_every=1000", "output_dir=runs/bench-real"] if args.size in REAL_SIZES else []),
         *args.set,
@@ -293,11 +305,16 @@ def summarise(results: dict[str, dict]) -> dict:
             if name != base and base in results and name.split("_")[0] == base.split("_")[0]:
                 ratios[f"{name}/{base} trainer busy per token"] = (results[name]["trainer_busy_s_per_1k_tokens"]
                                                                    / results[base]["trainer_busy_s_per_1k_tokens"])
-    for suffix in ("", "_bf16", "_padded"):
-        for variant in ("sync", "inflight2", "partial2"):
+    for suffix in ("", "_bf16", "_padded", "_shared", "_bf16_shared"):
+        for variant in ("sync", "inflight2", "partial2", "partial2_t2"):
             ratio(f"{variant}{suffix}", f"plain{suffix}")
             if suffix:
                 ratio(f"{variant}{suffix}", "plain_padded")
+    for name in results:  # each shared mode against the same mode without sharing, and its async modes against sync
+        if name.endswith("_shared"):
+            ratio(name, name.removesuffix("_shared"))
+            if name != "sync_shared":
+                ratio(name, "sync_shared")
     if "sync" in results and "plain" in results:
         ratios["sync/plain window (framework overhead)"] = results["sync"]["window_s"] / results["plain"]["window_s"]
         ratios["sync/plain wall incl. start-up"] = results["sync"]["wall_s"] / results["plain"]["wall_s"]
