@@ -22,12 +22,18 @@ through.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pandas as pd
 
 from operators.algorithms.batching import packed_inputs
 from operators.algorithms.chunking import length_sorted_chunks, packed_chunks
-from operators.algorithms.shared_prompts import check_shared_prompts, shared_chunks, shared_prompt_inputs
+from operators.algorithms.shared_prompts import (
+    check_shared_prompts,
+    shared_chunks,
+    shared_prompt_inputs,
+    step_width_limit,
+)
 
 
 class RefLogprob:
@@ -81,8 +87,10 @@ class RefLogprob:
         """Per (prompt ids, response ids): the response tokens' log-probs, in order."""
         out: list[list[float] | None] = [None] * len(sequences)
         if self.shared_mask is not None:
-            chunks = shared_chunks([p for p, _ in sequences], [len(r) for _, r in sequences], self.micro_batch_tokens)
-            score = self._score_shared
+            prompts, response_lengths = [p for p, _ in sequences], [len(r) for _, r in sequences]
+            chunks = shared_chunks(prompts, response_lengths, self.micro_batch_tokens)
+            width_limit = step_width_limit(prompts, response_lengths, self.micro_batch_tokens)  # as the chunks were cut
+            score = partial(self._score_shared, width_limit=width_limit)
         else:
             cut = packed_chunks if self.packing else length_sorted_chunks
             chunks = cut([len(p) + len(r) for p, r in sequences], self.micro_batch_tokens)
@@ -102,13 +110,14 @@ class RefLogprob:
         logprobs = packed.unpack(logprobs).cpu()  # [B, L-1]: position t of row b predicts token t + 1 of sequence b
         return [logprobs[row, len(p) - 1:len(p) - 1 + len(r)].tolist() for row, (p, r) in enumerate(sequences)]
 
-    def _score_shared(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """Each prompt laid out once before its responses (operators/algorithms/shared_prompts.py)."""
+    def _score_shared(self, sequences: list[tuple[list[int], list[int]]], width_limit: int) -> list[list[float]]:
+        """Each prompt laid out once before its responses (operators/algorithms/shared_prompts.py), in units cut at
+        `width_limit` (the step's, as its micro-batches were planned)."""
         from operators.logprobs import logprobs_at
 
         shared = shared_prompt_inputs([p for p, _ in sequences], [r for _, r in sequences], self.pad_id,
-                                      self.micro_batch_tokens).to(self.device).for_kernel(self.shared_mask,
-                                                                                          self.model.dtype)
+                                      self.micro_batch_tokens, width_limit)
+        shared = shared.to(self.device).for_kernel(self.shared_mask, self.model.dtype)
         logprobs = logprobs_at(self.model, shared.model_inputs(), shared.select, shared.target[None], self.temperature,
                                self.logits_chunk_tokens)  # [1, N]
         logprobs = shared.scatter(logprobs).cpu()  # [B, L-1]: position t of row b predicts token t + 1 of sequence b

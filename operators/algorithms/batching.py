@@ -244,7 +244,7 @@ def trained_token_counts(samples: dict) -> np.ndarray:
 
 def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional: tuple[str, ...] = (),
                 device=None, packed: bool = False, one_row: bool = False, share_prompts: bool = False,
-                budget: int = 0) -> TokenBatch:
+                budget: int = 0, width_limit: int | None = None) -> TokenBatch:
     """A TokenBatch of `samples` (columns of equal length: prompt_token_ids, response_token_ids, and
     the per-token columns): the `required` TOKEN_COLUMNS, and each `optional` one when every sample
     carries it. A per-token value is one float per response (broadcast over its tokens) or one per
@@ -252,7 +252,8 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     raising. `loss_masks` (optional, one 0/1 per response token): only the 1s are in `mask`. `packed`:
     the sequences also packed into rows for the model (packed_inputs; `one_row`: one row of them all).
     `share_prompts`: instead, each prompt laid out once before its responses (shared_prompts.py; units within
-    the micro-batch `budget`).
+    the micro-batch `budget`, cut at `width_limit`: the step's, shared_prompts.step_width_limit, for a
+    micro-batch of a chunked step).
 
     The columns are numpy (operators/algorithms/columns.py) or lists; each tensor is filled by one
     scatter of the column's flat values, so nothing here runs per token in Python."""
@@ -303,7 +304,7 @@ def token_batch(samples: dict, pad_id: int, required: tuple[str, ...], optional:
     input_ids = layout.input_ids(prompts, responses, pad_id)  # [B, L]
     rows_packed = rows_shared = None
     if share_prompts:
-        rows_shared = shared_prompt_inputs(prompts, responses, pad_id, budget)
+        rows_shared = shared_prompt_inputs(prompts, responses, pad_id, budget, width_limit)
     elif packed:  # each sequence a view of its padded row
         rows_packed = packed_inputs([input_ids[row, :length] for row, length in enumerate(layout.seq_len)],
                                     pad_id, one_row)

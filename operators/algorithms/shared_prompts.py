@@ -44,6 +44,15 @@ def unit_width_limit(longest: int, budget: int = 0) -> int:
     return max(longest, min(limit, budget) if budget else limit)
 
 
+def step_width_limit(prompts: list, response_lengths, budget: int = 0) -> int:
+    """unit_width_limit of a step's samples (their longest prompt + response): the one limit its micro-batches
+    are cut by (shared_chunks) and laid out with (shared_prompt_inputs(width_limit=...)). A micro-batch's own
+    longest sequence is often shorter, and a limit taken from it would cut a group the chunker kept whole into
+    more units, each with a copy of the prompt: more token slots than the chunk was planned with."""
+    longest = max((len(p) + int(n) for p, n in zip(prompts, response_lengths)), default=1)
+    return unit_width_limit(longest, budget)
+
+
 def shared_units(prompts: list, response_lengths, width_limit: int) -> list[list[int]]:
     """Sample indices per unit: the samples with the same prompt, in their order, cut where the prompt and
     their responses would pass `width_limit` tokens (a unit holds at least one sample). Units come in the
@@ -120,10 +129,12 @@ class SharedPromptInputs:
                                      for name, value in vars(self).items()})
 
 
-def shared_prompt_inputs(prompts: list, responses: list, pad_id: int = 0, budget: int = 0) -> SharedPromptInputs:
+def shared_prompt_inputs(prompts: list, responses: list, pad_id: int = 0, budget: int = 0,
+                         width_limit: int | None = None) -> SharedPromptInputs:
     """`prompts` and `responses` (token ids per sample; every prompt at least one token) laid out in units
-    (shared_units, within unit_width_limit of the longest sequence and `budget`) packed into rows
-    (SharedPromptInputs)."""
+    (shared_units) packed into rows (SharedPromptInputs). Units are cut at `width_limit`: a micro-batch of a
+    chunked step takes its step's (step_width_limit), the one its chunk was planned with; None: the limit of
+    these samples (unit_width_limit of their longest sequence and `budget`)."""
     import torch
 
     prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
@@ -131,7 +142,9 @@ def shared_prompt_inputs(prompts: list, responses: list, pad_id: int = 0, budget
     if not len(prompts) or prompt_len.min() < 1:
         raise ValueError("shared_prompt_inputs needs at least one sample, and a prompt token in each")
     longest = int((prompt_len + response_len).max())
-    units = shared_units(prompts, response_len, unit_width_limit(longest, budget))
+    if width_limit is None:
+        width_limit = unit_width_limit(longest, budget)
+    units = shared_units(prompts, response_len, max(width_limit, longest))
     lengths = unit_lengths(units, prompt_len, response_len)
     width = max(lengths)
     rows = packed_rows(lengths, width)
@@ -174,14 +187,15 @@ def shared_prompt_inputs(prompts: list, responses: list, pad_id: int = 0, budget
 
 
 def shared_chunks(prompts: list, response_lengths, budget: int) -> list[list[int]]:
-    """Sample indices per micro-batch when prompts are shared: units (shared_units) cut into micro-batches of at
-    most `budget` token slots (chunking.packed_chunks on the units' lengths), so a group stays together
-    where it fits. Each micro-batch lists its indices in ascending order; `budget` 0: one micro-batch."""
+    """Sample indices per micro-batch when prompts are shared: units (shared_units, cut at step_width_limit)
+    cut into micro-batches of at most `budget` token slots (chunking.packed_chunks on the units' lengths), so a
+    group stays together where it fits. Each micro-batch lists its indices in ascending order; `budget` 0: one
+    micro-batch. Lay each out with shared_prompt_inputs(width_limit=step_width_limit(...)) to get these units."""
     if not budget:
         return [list(range(len(prompts)))] if len(prompts) else []
     prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
     response_len = np.asarray(response_lengths, dtype=np.int64)
-    units = shared_units(prompts, response_len, unit_width_limit(int((prompt_len + response_len).max()), budget))
+    units = shared_units(prompts, response_len, step_width_limit(prompts, response_len, budget))
     chunks = packed_chunks(unit_lengths(units, prompt_len, response_len), budget)
     return [sorted(i for unit in chunk for i in units[unit]) for chunk in chunks]
 

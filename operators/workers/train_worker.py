@@ -22,11 +22,11 @@ from contextlib import contextmanager
 import numpy as np
 
 from operators.algorithms.batching import TokenBatch, check_packing, split_to_count, token_batch, trained_token_counts
-from operators.algorithms.columns import Ragged, is_complete
+from operators.algorithms.columns import Ragged, as_ragged, is_complete, lengths
 from operators.algorithms.correction import mismatch_sums
 from operators.algorithms.loss_composition import StatSums, add_policy_stats, policy_token_loss, rank_aggregate
 from operators.algorithms.losses import entropy_from_logits, token_logprobs
-from operators.algorithms.shared_prompts import check_shared_prompts
+from operators.algorithms.shared_prompts import check_shared_prompts, step_width_limit
 from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts, subset
 from operators.devices import local_device
 from operators.logprobs import chunkable_head, chunked_logprobs
@@ -327,12 +327,14 @@ class TrainWorker(StateIO):
             chunks = split_to_count(chunks, self._max_over_ranks(len(chunks)))
         return chunks
 
-    def _batch_tensors(self, samples: dict) -> TokenBatch:
+    def _batch_tensors(self, samples: dict, width_limit: int | None = None) -> TokenBatch:
         """The samples as a TokenBatch on this rank's device, with this role's PER_TOKEN columns and
-        those of its OPTIONAL_PER_TOKEN that every sample has; packed into rows under `packing`."""
+        those of its OPTIONAL_PER_TOKEN that every sample has; packed into rows under `packing`; with shared
+        prompts, units cut at `width_limit` (the step's: the one its micro-batches were planned with)."""
         batch = token_batch(samples, self.pad_id, self.PER_TOKEN, self.OPTIONAL_PER_TOKEN, self.device,
                             packed=self.settings.packing, one_row=self._one_row,
-                            share_prompts=self._shared_mask is not None, budget=self.settings.micro_batch_tokens)
+                            share_prompts=self._shared_mask is not None, budget=self.settings.micro_batch_tokens,
+                            width_limit=width_limit)
         if batch.shared is not None:
             batch.shared = batch.shared.for_kernel(self._shared_mask, self.module_dtype())
         return batch
@@ -342,8 +344,12 @@ class TrainWorker(StateIO):
         (a pass that pairs up with another rank's) gets the tensors of sample 0 and indices []: the
         caller gives it zero weight."""
         chunks = self.micro_batches(samples)
+        width_limit = None
+        if self._shared_mask is not None:  # units cut as micro_batches planned them, not at each micro-batch's own limit
+            width_limit = step_width_limit(as_ragged(samples["prompt_token_ids"], np.int64),
+                                           lengths(samples["response_token_ids"]), self.settings.micro_batch_tokens)
         for number, indices in enumerate(chunks, start=1):
-            yield indices, self._batch_tensors(subset(samples, indices or [0])), number == len(chunks)
+            yield indices, self._batch_tensors(subset(samples, indices or [0]), width_limit), number == len(chunks)
 
     def _max_over_ranks(self, value: int) -> int:
         torch = self.torch

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from operators.algorithms.batching import token_batch
-from operators.algorithms.shared_prompts import shared_chunks, shared_prompt_inputs, shared_units, unit_width_limit
+from operators.algorithms.shared_prompts import (
+    shared_chunks,
+    shared_prompt_inputs,
+    shared_units,
+    step_width_limit,
+    unit_width_limit,
+)
 
 
 def test_units_group_equal_prompts_and_are_cut_at_the_width_limit():
@@ -54,6 +60,30 @@ def test_chunks_keep_a_group_together_within_the_budget():
     # 12 slots: each unit a micro-batch of its own, the narrower first
     assert shared_chunks(prompts, lengths, 12) == [[4, 5, 6, 7], [0, 1, 2, 3]]
     assert shared_chunks(prompts, lengths, 0) == [list(range(8))]
+
+
+def test_a_micro_batch_is_laid_out_in_the_units_its_chunk_was_planned_with():
+    """The chunker cuts units at the step's limit (its longest sequence: 31 tokens, so 40 within the budget); a
+    micro-batch of short sequences only, laid out at its own limit (4 x 5 tokens), would cut the group of 8 into
+    two units, each with a copy of the prompt, in two rows of 20: 40 token slots where the chunk planned 26."""
+    prompts = [[1, 2]] * 8 + [[9]]
+    responses = [[3, 4, 5]] * 8 + [list(range(30))]
+    budget = 40
+    chunks = shared_chunks(prompts, [len(r) for r in responses], budget)
+    assert chunks == [list(range(8)), [8]]  # the group (26 tokens) and the long one (31) do not share 2 x 31 slots
+    limit = step_width_limit(prompts, [len(r) for r in responses], budget)
+    assert limit == 40
+    group = chunks[0]
+    laid = shared_prompt_inputs([prompts[i] for i in group], [responses[i] for i in group], budget=budget,
+                                width_limit=limit)
+    assert laid.input_ids.shape == (1, 26) and laid.input_ids[0, :2].tolist() == [1, 2]
+    assert int((laid.input_ids == 1).sum()) == 1  # the prompt once
+    own = shared_prompt_inputs([prompts[i] for i in group], [responses[i] for i in group], budget=budget)
+    assert own.input_ids.shape == (2, 20) and int((own.input_ids == 1).sum()) == 2  # the cut the limit avoids
+    samples = {"prompt_token_ids": [prompts[i] for i in group], "response_token_ids": [responses[i] for i in group],
+               "advantages": [1.0] * 8}
+    batch = token_batch(samples, 0, ("advantages",), share_prompts=True, packed=True, budget=budget, width_limit=limit)
+    assert batch.shared.input_ids.shape == (1, 26)
 
 
 def _model(path: str, kernel: str):
