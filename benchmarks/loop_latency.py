@@ -9,7 +9,8 @@ At max_staleness η the loop is: train step s-η-1 publishes the version step s 
 the gated generate call starts -> generate -> reward -> advantage -> Train has the step's
 last group -> train step s (compute, publish). Per hop it prints the median over the
 steady-state steps (the first `--skip` are start-up), and the step time (median gap between
-two train steps' ends).
+two train steps' ends). It also samples every process's CPU time (/proc, Linux) and prints the CPU ms
+per step of each over the same steps: the whole machine's, the job's processes and anything else.
 
 Writes benchmarks/results/loop_latency.json, keeping the other labels there (e.g. `before`
 and `after` a change); wrap timing runs in `flock /tmp/streamrl-bench.lock` on shared machines.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -83,8 +85,97 @@ def hops(timelines: list[dict], max_staleness: int, driver_times: dict[int, floa
     return {name: {"median_s": _median(values), "count": len(values)} for name, values in per_hop.items()}
 
 
-def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float], dict]:
-    """Run the job; its timelines in step order, when the driver had each step's row, and the summary."""
+# The sampler runs in a process of its own: a thread of the driver would share the GIL with Ray Data's
+# executor, slowing it, and would itself get few turns while the driver is busy. It prints one JSON line per
+# sample: the time and, per process, [utime + stime in clock ticks, the command line's words or the name].
+_SAMPLER = r"""
+import json, os, sys, time
+interval, tick = float(sys.argv[1]), os.sysconf("SC_CLK_TCK")
+while True:
+    procs = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(entry.path + "/stat") as f:
+                stat = f.read()
+            with open(entry.path + "/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        procs[entry.name] = [(int(fields[11]) + int(fields[12])) / tick,
+                             argv[:3] or [stat[stat.find("(") + 1:stat.rfind(")")]]]
+    print(json.dumps({"t": time.time(), "procs": procs}), flush=True)
+    time.sleep(interval)
+"""
+
+
+class ProcessCPU:
+    """Every `interval` s, the CPU seconds (user + system, all threads) of every process on the machine, from
+    /proc (Linux; elsewhere it records nothing), sampled by a child process. `per_step` turns two samples into
+    CPU ms per step per process: where the cores go while the loop runs, the job's own and anything else."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []  # (time.time(), pid -> (name, cpu s))
+        self._child: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if Path("/proc/self/stat").exists():
+            self._out = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: nobody reads it until stop()
+            self._child = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(self.interval)], stdout=self._out)
+
+    def stop(self) -> None:
+        if self._child is None:
+            return
+        self._child.terminate()
+        self._child.wait()
+        self._out.seek(0)
+        out, self._out = self._out.read(), self._out.close()
+        for line in out.splitlines():
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError:  # the last line, cut by the termination
+                continue
+            self.samples.append((sample["t"], {int(pid): (self._label(int(pid), argv), cpu)
+                                               for pid, (cpu, argv) in sample["procs"].items()
+                                               if int(pid) != self._child.pid}))
+
+    @staticmethod
+    def _label(pid: int, argv: list[str]) -> str:
+        if pid == os.getpid():
+            return "driver (this process)"
+        first = argv[0]
+        if first.startswith("ray::"):
+            return first.split(".")[0]  # ray::Actor(...).method -> the actor
+        if Path(first).name.startswith("python") and len(argv) > 1:
+            module = next((word for word in argv[1:] if not word.startswith("-")), "")
+            return f"python {Path(module).name}"
+        return Path(first).name
+
+    def per_step(self, start: float, end: float, steps: int) -> dict:
+        """CPU ms per step of each process (by name, summed) between the samples nearest `start` and `end`."""
+        inside = [sample for sample in self.samples if start <= sample[0] <= end]
+        if len(inside) < 2 or steps <= 0:
+            return {}
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        steps_in = steps * (t1 - t0) / (end - start)  # the samples cover this share of the window's steps
+        by_name: dict[str, float] = {}
+        for pid, (name, cpu) in last.items():
+            used = cpu - (first[pid][1] if pid in first else 0.0)
+            if used > 0:
+                by_name[name] = by_name.get(name, 0.0) + used
+        ranked = sorted(by_name.items(), key=lambda item: -item[1])
+        return {"window_s": round(t1 - t0, 2), "cores": round(sum(by_name.values()) / (t1 - t0), 2),
+                "ms_per_step": {name: round(1000 * used / steps_in, 1) for name, used in ranked
+                                if used / (t1 - t0) > 0.005},  # processes busy 0.5% of a core or more
+                "ms_per_step_total": round(1000 * sum(by_name.values()) / steps_in, 1)}
+
+
+def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float], dict, ProcessCPU]:
+    """Run the job; its timelines in step order, when the driver had each step's row, the summary, and the
+    machine's CPU use sampled meanwhile."""
     import pipelines.job as grpo
     import pipelines.recovery.attempts as attempts  # where the job's loop reads the DAG's rows
     from pipelines.config.load import load_config
@@ -100,12 +191,15 @@ def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float]
                 yield row
 
         attempts.iter_steps = stamped
+        cpu = ProcessCPU()
+        cpu.start()
         try:
             start = time.perf_counter()
             result = grpo.run_job(cfg, echo=lambda line: None)
             wall = time.perf_counter() - start
         finally:
             attempts.iter_steps = iter_steps
+            cpu.stop()
     metrics = result.metrics.sort_values("step")
     first, last = metrics.head(10), metrics.tail(10)
     summary = {
@@ -116,7 +210,7 @@ def run(config: str, overrides: list[str]) -> tuple[list[dict], dict[int, float]
         "success_last10": round(float(last["success_rate"].mean()), 3),
         "staleness_max": int(metrics["staleness_max"].max()),
     }
-    return [json.loads(t) for t in metrics["timeline"]], driver_times, summary
+    return [json.loads(t) for t in metrics["timeline"]], driver_times, summary, cpu
 
 
 def _git_commit() -> str:
@@ -135,7 +229,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=10, help="start-up steps left out of the medians")
     parser.add_argument("--no-save", dest="save", action="store_false", help="print only")
     args = parser.parse_args()
-    timelines, driver_times, summary = run(args.config, args.overrides)
+    timelines, driver_times, summary, cpu = run(args.config, args.overrides)
     if len(timelines) <= args.skip + 1:
         sys.exit(f"only {len(timelines)} steps: run more than --skip {args.skip} + 1")
     figures = hops(timelines, summary["max_staleness"], driver_times, args.skip)
@@ -144,6 +238,14 @@ def main() -> None:
         value = figures[name]["median_s"]
         shown = "-" if value is None else f"{value * 1000:.1f}"
         print(f"{name:<28} {shown:>10} {figures[name]['count']:>5}  {text}")
+    # CPU per step of every process over the steady-state steps (start-up left out), evaluations included
+    cpu_use = cpu.per_step(timelines[args.skip]["train"][1], timelines[-1]["train"][1],
+                           len(timelines) - 1 - args.skip)
+    if cpu_use:
+        print(f"CPU over {cpu_use['window_s']} s of steady state: {cpu_use['cores']} cores busy, "
+              f"{cpu_use['ms_per_step_total']} CPU ms per step")
+        for name, ms in cpu_use["ms_per_step"].items():
+            print(f"  {ms:7.1f} ms/step  {name}")
     print(json.dumps(summary))
     if not args.save:
         return
@@ -151,11 +253,12 @@ def main() -> None:
     results[args.label] = {
         "command": " ".join(["python", "benchmarks/loop_latency.py", *sys.argv[1:]]),
         "config": args.config, "overrides": args.overrides, "skip": args.skip, "commit": _git_commit(),
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "hops_median_s": {name: figures[name]["median_s"] for name, _ in HOPS},
         "hops_count": {name: figures[name]["count"] for name, _ in HOPS},
         **summary,
+        "cpu": cpu_use,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
