@@ -58,6 +58,12 @@ starting the moment its last token is out; one load of w per version on the crit
 elsewhere (loads off it are not charged at all); free publishing. It is a bound on the long-run step
 time; the simulation times a 5-step window after start-up, which a pipeline filled before the window
 could in principle beat, so the unit tests check the recorded runs against it.
+
+The bound's tail at tick(1) beside full batches for everything else takes foresight: knowing which
+response will be the longest. Each record also gets `age_batched` (benchmarks/sim_tiers.py): the same
+inequalities for schedules that choose a response's batch by how long it has run, the only sign of its
+length in this cost model, with the best such policy and layout. It is what a tail-isolating scheduler
+could reach at most; its ratio to a run is how much of the gap such a scheduler could close.
 """
 
 from __future__ import annotations
@@ -135,19 +141,27 @@ def step_bound(work: StepWork, cost: CostModel, gen_gpus: int, train_gpus: int, 
     if staleness < 0 or gen_gpus < cost.gpus_per_instance or train_gpus < 1:
         raise ValueError(f"staleness {staleness}, gen_gpus {gen_gpus}, train_gpus {train_gpus}: staleness must be "
                          f">= 0, gen_gpus >= gpus_per_instance ({cost.gpus_per_instance}), train_gpus >= 1")
-    t = train_s(work, cost, train_gpus)
+    terms = layout_terms(np.array([work.longest * cost.tick_seconds(1)]), np.array([decode_work_s(work, cost)]),
+                         train_s(work, cost, train_gpus), cost, gen_gpus, staleness, colocated)
+    limit = max(terms, key=lambda name: terms[name][0])
+    return Bound(float(terms[limit][0]), gen_gpus, train_gpus, colocated, limit)
+
+
+def layout_terms(tail: np.ndarray, work: np.ndarray, t: float, cost: CostModel, gen_gpus: int, staleness: int,
+                 colocated: bool) -> dict[str, np.ndarray]:
+    """The module docstring's terms on one layout, for decodes whose longest response takes `tail` seconds
+    and whose tokens take `work` instance-seconds (arrays: one entry per way of decoding; the bound's is
+    Lmax x tick(1) and full batches, benchmarks/sim_tiers.py's batch by age); `t` the train step."""
     instances = gen_gpus // cost.gpus_per_instance
-    terms = {
-        "staleness chain": (cost.weight_sync_s + generation_s(work, cost, gen_gpus) + t) / (staleness + 1),
-        "trainer": t,
-    }
+    generation = np.maximum(tail, work / instances)  # gen: the step's first token to its last, at best
+    terms = {"staleness chain": (cost.weight_sync_s + generation + t) / (staleness + 1),
+             "trainer": np.full_like(tail, t, dtype=np.float64)}
     if colocated:
-        terms["colocated work"] = decode_work_s(work, cost) / instances + t
-        terms["colocated tail"] = work.longest * cost.tick_seconds(1) / (staleness + 1) + t
+        terms["colocated work"] = work / instances + t
+        terms["colocated tail"] = tail / (staleness + 1) + t
     else:
-        terms["generation throughput"] = decode_work_s(work, cost) / instances
-    limit = max(terms, key=terms.get)
-    return Bound(terms[limit], gen_gpus, train_gpus, colocated, limit)
+        terms["generation throughput"] = work / instances
+    return terms
 
 
 def sync_step_s(work: StepWork, cost: CostModel, gpus: int) -> float:
@@ -170,15 +184,26 @@ def timed_steps(step_lengths: list[np.ndarray]) -> list[np.ndarray]:
     return step_lengths[2:]
 
 
+AGES = (0, 512, 1024, 2048, 4096, 8192, 16320)  # ages at which a record gives the age-batched policy's batch
+
+
 def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
-    """Add the bound to every record of a simulate_cluster result (in place); `step_lengths`: each step's
-    response lengths as the run drew them. Returns the records."""
+    """Add the bound, and the estimate without foresight (benchmarks/sim_tiers.py), to every record of a
+    simulate_cluster result (in place); `step_lengths`: each step's response lengths as the run drew them.
+    Returns the records."""
+    from benchmarks.sim_tiers import best_tiered, one_batch_policies, tier_policies, tiers  # it builds on this module
+
     cost = CostModel.from_dict(result["cost_model"])
-    work = mean_work(timed_steps(step_lengths), cost)
+    timed = timed_steps(step_lengths)
+    work = mean_work(timed, cost)
     result["bound_workload"] = {**vars(work), "steps": "the timed ones, mean (train_step 2 to the last, 0-based)",
                                 "derivation": "benchmarks/sim_bound.py"}
+    tiered = tiers(timed, cost)
+    policies, one_batch = tier_policies(tiered, cost), one_batch_policies(tiered, cost)
+    best_by_case = {}  # (gpus, staleness) -> the age-batched estimate, and with one batch
     for record in result["records"]:
         gpus, staleness = record["gpus"], record["max_staleness"]
+        measured = record["sim_seconds_per_step"]
         sync = next((r for r in result["records"] if r["gpus"] == gpus and r["run"] == "a"), None)
         best = best_bound(work, cost, gpus, staleness)
         own = step_bound(work, cost, record["gen_gpus"], record["train_gpus"], staleness,
@@ -190,8 +215,31 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
             "sync_sim_seconds_per_step": round(sync_step_s(work, cost, gpus), 2),
             # the simulated speed-up is samples/s over run a's, so its bound is a's step time over the bound's
             "speedup_over_sync": round(sync["sim_seconds_per_step"] / best.step_s, 2) if sync else None,
-            "ratio": round(best.step_s / record["sim_seconds_per_step"], 3),
-            "ratio_at_this_layout": round(own.step_s / record["sim_seconds_per_step"], 3),
+            "ratio": round(best.step_s / measured, 3),
+            "ratio_at_this_layout": round(own.step_s / measured, 3),
+        }
+        if (gpus, staleness) not in best_by_case:
+            best_by_case[gpus, staleness] = (
+                best_tiered(policies, work, cost, gpus, staleness),
+                best_tiered(one_batch, work, cost, gpus, staleness, edges=False))
+        aged, capped = best_by_case[gpus, staleness]
+        aged_own = best_tiered(policies, work, cost, gpus, staleness, layouts=[
+            (record["gen_gpus"], record["train_gpus"], record["gen_gpus"] + record["train_gpus"] > gpus)])
+        record["age_batched"] = {
+            "sim_seconds_per_step": round(aged.step_s, 2), "gen_gpus": aged.gen_gpus, "train_gpus": aged.train_gpus,
+            "colocated": aged.colocated, "limit": aged.limit,
+            "batch_at_age": {age: int(aged.policy.batches[min(age // tiered.width, len(aged.policy.batches) - 1)])
+                             for age in AGES},
+            "tail_s": round(aged.tail_s, 1), "work_instance_s": round(aged.work_s, 1),
+            "sim_seconds_per_step_at_this_layout": round(aged_own.step_s, 2), "limit_at_this_layout": aged_own.limit,
+            "bound_over_age_batched": round(best.step_s / aged.step_s, 3),
+            "ratio": round(aged.step_s / measured, 3),
+            "ratio_at_this_layout": round(aged_own.step_s / measured, 3),
+            # the same with one batch at every age (a cap per instance, as the runs have)
+            "one_batch": {"sim_seconds_per_step": round(capped.step_s, 2), "batch": int(capped.policy.batches[0]),
+                          "gen_gpus": capped.gen_gpus, "train_gpus": capped.train_gpus, "colocated": capped.colocated,
+                          "limit": capped.limit},
+            "derivation": "benchmarks/sim_tiers.py",
         }
     return result["records"]
 
@@ -199,16 +247,18 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
 def print_table(records: list[dict], echo=print) -> None:
     echo(f"{'GPUs':>5} {'run':<4}{'staleness':>10}{'simulated':>10}{'bound':>8}{'ratio':>7}   "
          f"{'sim s/step':>10}{'bound s/step':>13}  bound layout (limit)          "
-         f"{'at this layout':>15}{'ratio':>7}")
+         f"{'at this layout':>15}{'ratio':>7}   {'age-batched':>11}{'ratio':>7}  layout")
     for r in records:
-        b = r["bound"]
+        b, a = r["bound"], r.get("age_batched")
         layout = "colocated" if b["colocated"] else f"{b['gen_gpus']}/{b['train_gpus']}"
         speedup = f"{r['speedup_over_sync']:.2f}x" if "speedup_over_sync" in r else "-"
         bound = f"{b['speedup_over_sync']:.2f}x" if b["speedup_over_sync"] is not None else "-"
+        aged = "" if a is None else (f"   {a['sim_seconds_per_step']:>11.1f}{a['ratio']:>7.2f}  "
+                                     + ("colocated" if a["colocated"] else f"{a['gen_gpus']}/{a['train_gpus']}"))
         echo(f"{r['gpus']:>5} {r['run']:<4}{r['max_staleness']:>10}{speedup:>10}{bound:>8}{b['ratio']:>7.2f}   "
              f"{r['sim_seconds_per_step']:>10.1f}{b['sim_seconds_per_step']:>13.1f}  "
              f"{layout + ' (' + b['limit'] + ')':<30}{b['sim_seconds_per_step_at_this_layout']:>15.1f}"
-             f"{b['ratio_at_this_layout']:>7.2f}")
+             f"{b['ratio_at_this_layout']:>7.2f}{aged}")
 
 
 def main() -> None:
