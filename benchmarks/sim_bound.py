@@ -187,6 +187,15 @@ def timed_steps(step_lengths: list[np.ndarray]) -> list[np.ndarray]:
 AGES = (0, 512, 1024, 2048, 4096, 8192, 16320)  # ages at which a record gives the age-batched policy's batch
 
 
+def steady_seconds_per_step(times: list[float], first: int, drained: int, time_scale: float) -> float | None:
+    """Simulated seconds per step in steady state: from the end of step `first` (0-based) to that of the
+    last step but `drained`, the run's last steps, which were generated before they came up (nothing was
+    left to start) and only waited for the trainer; None when fewer than 2 steps remain. `times`: each
+    step's end, real seconds."""
+    steps = len(times) - 1 - first - drained
+    return (times[-1 - drained] - times[first]) * time_scale / steps if steps >= 2 else None
+
+
 def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
     """Add the bound, and the estimate without foresight (benchmarks/sim_tiers.py), to every record of a
     simulate_cluster result (in place); `step_lengths`: each step's response lengths as the run drew them.
@@ -203,7 +212,8 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
     best_by_case = {}  # (gpus, staleness) -> the age-batched estimate, and with one batch
     for record in result["records"]:
         gpus, staleness = record["gpus"], record["max_staleness"]
-        measured = record["sim_seconds_per_step"]
+        # the run's steady state where it has one (simulate_cluster.summarize), else its whole window
+        measured = record.get("steady_sim_seconds_per_step") or record["sim_seconds_per_step"]
         sync = next((r for r in result["records"] if r["gpus"] == gpus and r["run"] == "a"), None)
         best = best_bound(work, cost, gpus, staleness)
         own = step_bound(work, cost, record["gen_gpus"], record["train_gpus"], staleness,
@@ -245,6 +255,7 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
 
 
 def print_table(records: list[dict], echo=print) -> None:
+    # sim s/step: the run's steady state where it has one (simulate_cluster.summarize), else its whole window
     echo(f"{'GPUs':>5} {'run':<4}{'staleness':>10}{'simulated':>10}{'bound':>8}{'ratio':>7}   "
          f"{'sim s/step':>10}{'bound s/step':>13}  bound layout (limit)          "
          f"{'at this layout':>15}{'ratio':>7}   {'age-batched':>11}{'ratio':>7}  layout")
@@ -256,7 +267,7 @@ def print_table(records: list[dict], echo=print) -> None:
         aged = "" if a is None else (f"   {a['sim_seconds_per_step']:>11.1f}{a['ratio']:>7.2f}  "
                                      + ("colocated" if a["colocated"] else f"{a['gen_gpus']}/{a['train_gpus']}"))
         echo(f"{r['gpus']:>5} {r['run']:<4}{r['max_staleness']:>10}{speedup:>10}{bound:>8}{b['ratio']:>7.2f}   "
-             f"{r['sim_seconds_per_step']:>10.1f}{b['sim_seconds_per_step']:>13.1f}  "
+             f"{r.get('steady_sim_seconds_per_step') or r['sim_seconds_per_step']:>10.1f}{b['sim_seconds_per_step']:>13.1f}  "
              f"{layout + ' (' + b['limit'] + ')':<30}{b['sim_seconds_per_step_at_this_layout']:>15.1f}"
              f"{b['ratio_at_this_layout']:>7.2f}{aged}")
 

@@ -56,7 +56,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 import sim_trainer
 
-from benchmarks.sim_bound import add_bounds, print_table as print_bound_table
+from benchmarks.sim_bound import add_bounds, print_table as print_bound_table, steady_seconds_per_step
 from benchmarks.sim_engine import ENGINE as SIM_ENGINE, CostModel, SimEngine
 
 RESULTS = Path(__file__).parent / "results"
@@ -192,7 +192,10 @@ def sync_estimate(gpus: int, cost: CostModel, gen_gpus: int | None = None) -> fl
     return decode + train + cost.weight_sync_s
 
 
-def layout_for(run: str, gpus: int, cost: CostModel) -> tuple[Layout, dict | None]:
+def layout_for(run: str, gpus: int, cost: CostModel, gen_gpus: int | None = None,
+               cap: int | None = None) -> tuple[Layout, dict | None]:
+    """The layout of one run of the ablation. In flight (c, d): the split and cap `plan_in_flight` picks,
+    unless `gen_gpus` (a multiple of GENERATION_ACTORS) or `cap` (sequences per instance) are given."""
     per_actor_share = GROUPS_PER_STEP // GENERATION_ACTORS
     if run == "a":  # every group of a step at once: each actor takes its share, in calls of 4 groups
         calls = per_actor_share // GROUPS_PER_IN_FLIGHT_CALL
@@ -205,6 +208,9 @@ def layout_for(run: str, gpus: int, cost: CostModel) -> tuple[Layout, dict | Non
                       GROUPS_PER_STEP // CALL_SYNC_CALLS_PER_STEP), None
     staleness = int(run[1:])
     plan = plan_in_flight(gpus, staleness, cost)
+    if gen_gpus is not None or cap is not None:  # chosen by hand: the plan's figures no longer describe it
+        plan = {"gen_gpus": gen_gpus or plan["gen_gpus"], "cap_per_instance": cap or plan["cap_per_instance"],
+                "chosen": "by hand (--gen-gpus, --cap)"}
     instances = plan["gen_gpus"] // cost.gpus_per_instance // GENERATION_ACTORS
     # A group in flight holds only its unfinished responses' slots, so under a long tail several times
     # cap / n groups are in flight at once; give each actor calls enough for 4x that, plus one step's share.
@@ -347,6 +353,10 @@ def summarize(result: dict, time_scale: float) -> dict:
     pauses = np.array([r["pause_s"] for r in updates]) * time_scale
     groups = pd.concat([pd.DataFrame(row["groups"]) for row in rows], ignore_index=True)
     span = groups["policy_version_max"] - groups["policy_version"]
+    # Steady state: the window above ends with max_staleness steps that only waited for the trainer, which
+    # flatters a run bound by its generation; without them (given max_staleness + 4 steps or more)
+    steady = steady_seconds_per_step(list(times), first, layout.max_staleness, time_scale)
+    steady_steps = len(times) - 1 - first - layout.max_staleness
     return {
         "run": layout.run, "schedule": layout.label, "gpus": layout.gpus, "max_staleness": layout.max_staleness,
         "in_flight": layout.in_flight, "partial_rollout": layout.partial_rollout,
@@ -357,6 +367,8 @@ def summarize(result: dict, time_scale: float) -> dict:
         if layout.in_flight else None,
         "steps_timed": steps, "sim_seconds": round(sim_seconds, 1),
         "sim_seconds_per_step": round(sim_seconds / steps, 2),
+        "steady_sim_seconds_per_step": round(steady, 2) if steady is not None else None,
+        "steady_steps_timed": steady_steps if steady is not None else 0,
         "sim_samples_per_s": round(samples * steps / sim_seconds, 2),
         "sim_tokens_per_s": round(sum(row["generated_tokens"] for row in rows[first + 1:])
                                   * result["cost"].token_unit / sim_seconds, 0),
@@ -404,7 +416,7 @@ def zero_cost(cost: CostModel) -> CostModel:
 
 
 def sweep(gpu_counts: list[int], steps: int, time_scales: dict[int, float], runs: list[str], overhead_runs: list[str],
-          echo=print) -> dict:
+          echo=print, gen_gpus: int | None = None, cap: int | None = None) -> dict:
     """For each GPU count, each run of the ablation; then `overhead_runs` again with zero modelled cost,
     to measure the DAG's own overhead per step."""
     import ray
@@ -416,7 +428,7 @@ def sweep(gpu_counts: list[int], steps: int, time_scales: dict[int, float], runs
             cost = replace(base, time_scale=time_scales.get(gpus, 10.0))
             layouts = {}
             for run in runs:
-                layouts[run], plan = layout_for(run, gpus, cost)
+                layouts[run], plan = layout_for(run, gpus, cost, gen_gpus, cap)
                 if plan is not None:
                     plans.setdefault(str(gpus), {})[f"max_staleness={layouts[run].max_staleness}"] = plan
             plans.setdefault(str(gpus), {})["sync_estimate_s"] = round(sync_estimate(gpus, cost), 1)
@@ -429,7 +441,8 @@ def sweep(gpu_counts: list[int], steps: int, time_scales: dict[int, float], runs
                     record = {**summarize(result, cost.time_scale), "time_scale": cost.time_scale}
                     records.append(record)
                     echo(f"SIMULATION {gpus:>4} GPUs {record['schedule']:<30} gen/train {layout.gen_gpus}/"
-                         f"{layout.train_gpus}  {record['sim_seconds_per_step']:>7.1f} sim s/step  "
+                         f"{layout.train_gpus}  {record['sim_seconds_per_step']:>7.1f} sim s/step (steady: "
+                         f"{record['steady_sim_seconds_per_step'] or '-'})  "
                          f"stale<= {record['staleness_max']}  trainer idle {record['trainer_idle_fraction']:.2f}  "
                          f"spanning {record['groups_spanning_versions']}  ({time.perf_counter() - start:.0f} s real)")
                 for run in overhead_runs:
@@ -598,6 +611,10 @@ def main() -> None:
                         f"(default per GPU count: {TIME_SCALE})")
     parser.add_argument("--runs", default=",".join(ABLATION), help=f"runs of the ablation, of {','.join(ABLATION)}")
     parser.add_argument("--overhead-runs", default="a,d2", help="runs repeated at zero modelled cost (DAG overhead)")
+    parser.add_argument("--gen-gpus", type=int, default=None, help="in-flight runs (c, d): generation GPUs instead of "
+                        f"the plan's (a multiple of {GENERATION_ACTORS}, below the GPU count)")
+    parser.add_argument("--cap", type=int, default=None, help="in-flight runs (c, d): sequences in flight per engine "
+                        "instance instead of the plan's (at most the cost model's max_num_seqs)")
     parser.add_argument("--plan", action="store_true", help="print the layouts and the analytic plan; run nothing")
     parser.add_argument("--calibrate", action="store_true", help="measure per-token rates on this machine")
     parser.add_argument("--model-size", default="medium", help="calibration model (generate_throughput SIZES)")
@@ -614,16 +631,22 @@ def main() -> None:
     unknown = set(runs) - set(ABLATION)
     if unknown:
         parser.error(f"unknown runs {sorted(unknown)}; use some of {','.join(ABLATION)}")
+    if args.gen_gpus is not None and (args.gen_gpus <= 0 or args.gen_gpus % GENERATION_ACTORS
+                                      or any(args.gen_gpus >= g for g in gpus)):
+        parser.error(f"--gen-gpus {args.gen_gpus}: use a multiple of {GENERATION_ACTORS} below every --gpus count {gpus}")
+    if args.cap is not None and not 0 < args.cap <= GPU_COST["max_num_seqs"]:
+        parser.error(f"--cap {args.cap}: use 1 to max_num_seqs ({GPU_COST['max_num_seqs']})")
     if args.plan:
         for g in gpus:
             cost = replace(CostModel.from_dict(GPU_COST), time_scale=scales[g])
             print(f"{g} GPUs: sync estimate {sync_estimate(g, cost):.1f} sim s/step")
             for run in runs:
-                layout, plan = layout_for(run, g, cost)
+                layout, plan = layout_for(run, g, cost, args.gen_gpus, args.cap)
                 print(f"  {layout.label:<30} {asdict(layout)} {plan or ''}")
         return
     started = time.perf_counter()
-    result = sweep(gpus, args.steps, scales, runs, [r for r in args.overhead_runs.split(",") if r])
+    result = sweep(gpus, args.steps, scales, runs, [r for r in args.overhead_runs.split(",") if r],
+                   gen_gpus=args.gen_gpus, cap=args.cap)
     print_table(result["records"])
     calibration = RESULTS / "sim_calibration.json"
     record = {

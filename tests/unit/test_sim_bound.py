@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from benchmarks.sim_bound import (
-    RESULT_FILES, RESULTS, StepWork, best_bound, mean_work, step_bound, step_work, sync_step_s, timed_steps,
+    RESULT_FILES, RESULTS, StepWork, best_bound, mean_work, steady_seconds_per_step, step_bound, step_work,
+    sync_step_s, timed_steps,
 )
 from benchmarks.sim_engine import CostModel
 
@@ -126,3 +127,12 @@ def test_a_layout_without_gpus_is_refused():
         step_bound(HAND_WORK, HAND, 0, 4, 1)
     with pytest.raises(ValueError, match="staleness"):
         step_bound(HAND_WORK, HAND, 2, 2, -1)
+
+
+def test_the_steady_state_leaves_out_the_drained_steps():
+    # steps end every 10 s until the generators run out; the last two come quickly, trained from what was made
+    times = [0.0, 10.0, 20.0, 30.0, 40.0, 45.0, 48.0]
+    assert steady_seconds_per_step(times, 1, 2, 3.0) == pytest.approx((40 - 10) / 3 * 3.0)
+    assert (times[-1] - times[1]) / 5 < 10.0  # what the whole window would have said
+    assert steady_seconds_per_step(times, 1, 0, 1.0) == pytest.approx((48 - 10) / 5)
+    assert steady_seconds_per_step(times, 1, 4, 1.0) is None  # one step left: no steady state to speak of
