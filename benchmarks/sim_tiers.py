@@ -5,9 +5,10 @@ age could reach under simulate_cluster.py's cost model (benchmarks/sim_bound.py 
 
 sim_bound.py's bound lets the step's longest response decode alone at tick(1) while every other token
 decodes in full batches of m = max_num_seqs. Only a schedule that knows which response will be the
-longest can do both. In the cost model a response's length is drawn independently of its prompt, its
-group and every other response (benchmarks/sim_engine.py `LengthModel`), so what a scheduler can know
-of a response's remaining length is how long it has run: its age. A tail-isolating scheduler is such
+longest can do both. In the cost model a response's length is a random draw (benchmarks/sim_engine.py
+`LengthModel`, seeded by a hash of its prompt only so that every schedule decodes the same workload):
+nothing a scheduler sees, the prompt's text, its group or the other responses, tells it. What a
+scheduler can know of a response's remaining length is how long it has run: its age. A tail-isolating scheduler is such
 a schedule: it moves a response that has run past a threshold to an instance with a small batch.
 
 Here every response decodes the tokens of its age tier j (ages [j u, (j + 1) u), u = token_unit) in a
