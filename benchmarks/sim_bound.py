@@ -80,6 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_engine import CostModel
+from benchmarks.sim_terms import layout_terms, train_step_s
+from benchmarks.sim_tiers import best_tiered, one_batch_policies, tier_policies, tiers
 
 RESULTS = Path(__file__).parent / "results"
 RESULT_FILES = ("simulation.json", "simulation_check_128.json")
@@ -121,7 +123,7 @@ def mean_work(steps: list[np.ndarray], cost: CostModel) -> StepWork:
 
 def train_s(work: StepWork, cost: CostModel, train_gpus: int) -> float:
     """t: one train step on `train_gpus` (sim_trainer's sleep)."""
-    return cost.train_seconds_per_token * work.trained_tokens / train_gpus + cost.train_step_fixed_s
+    return train_step_s(cost, work.trained_tokens, train_gpus)
 
 
 def decode_work_s(work: StepWork, cost: CostModel) -> float:
@@ -145,23 +147,6 @@ def step_bound(work: StepWork, cost: CostModel, gen_gpus: int, train_gpus: int, 
                          train_s(work, cost, train_gpus), cost, gen_gpus, staleness, colocated)
     limit = max(terms, key=lambda name: terms[name][0])
     return Bound(float(terms[limit][0]), gen_gpus, train_gpus, colocated, limit)
-
-
-def layout_terms(tail: np.ndarray, work: np.ndarray, t: float, cost: CostModel, gen_gpus: int, staleness: int,
-                 colocated: bool) -> dict[str, np.ndarray]:
-    """The module docstring's terms on one layout, for decodes whose longest response takes `tail` seconds
-    and whose tokens take `work` instance-seconds (arrays: one entry per way of decoding; the bound's is
-    Lmax x tick(1) and full batches, benchmarks/sim_tiers.py's batch by age); `t` the train step."""
-    instances = gen_gpus // cost.gpus_per_instance
-    generation = np.maximum(tail, work / instances)  # gen: the step's first token to its last, at best
-    terms = {"staleness chain": (cost.weight_sync_s + generation + t) / (staleness + 1),
-             "trainer": np.full_like(tail, t, dtype=np.float64)}
-    if colocated:
-        terms["colocated work"] = work / instances + t
-        terms["colocated tail"] = tail / (staleness + 1) + t
-    else:
-        terms["generation throughput"] = work / instances
-    return terms
 
 
 def sync_step_s(work: StepWork, cost: CostModel, gpus: int) -> float:
@@ -200,8 +185,6 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
     """Add the bound, and the estimate without foresight (benchmarks/sim_tiers.py), to every record of a
     simulate_cluster result (in place); `step_lengths`: each step's response lengths as the run drew them.
     Returns the records."""
-    from benchmarks.sim_tiers import best_tiered, one_batch_policies, tier_policies, tiers  # it builds on this module
-
     cost = CostModel.from_dict(result["cost_model"])
     timed = timed_steps(step_lengths)
     work = mean_work(timed, cost)
@@ -230,10 +213,10 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
         }
         if (gpus, staleness) not in best_by_case:
             best_by_case[gpus, staleness] = (
-                best_tiered(policies, work, cost, gpus, staleness),
-                best_tiered(one_batch, work, cost, gpus, staleness, edges=False))
+                best_tiered(policies, work.trained_tokens, cost, gpus, staleness),
+                best_tiered(one_batch, work.trained_tokens, cost, gpus, staleness, edges=False))
         aged, capped = best_by_case[gpus, staleness]
-        aged_own = best_tiered(policies, work, cost, gpus, staleness, layouts=[
+        aged_own = best_tiered(policies, work.trained_tokens, cost, gpus, staleness, layouts=[
             (record["gen_gpus"], record["train_gpus"], record["gen_gpus"] + record["train_gpus"] > gpus)])
         record["age_batched"] = {
             "sim_seconds_per_step": round(aged.step_s, 2), "gen_gpus": aged.gen_gpus, "train_gpus": aged.train_gpus,

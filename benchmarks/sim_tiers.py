@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.sim_bound import StepWork, layout_terms, train_s
 from benchmarks.sim_engine import CostModel
+from benchmarks.sim_terms import layout_terms, train_step_s
 
 GRID = 11  # points per hull edge at which the step is taken (its ends included)
 
@@ -86,14 +86,17 @@ def tiers(steps: list[np.ndarray], cost: CostModel) -> Tiers:
     tokens, longest = np.zeros(starts.size), np.zeros(starts.size)
     for lengths in steps:
         lengths = np.sort(np.asarray(lengths, dtype=np.float64))
-        # tokens in tier [a, a + w): sum_i clip(L_i - a, 0, w), from the sorted lengths' prefix sums
-        totals = np.concatenate([[0.0], np.cumsum(lengths)])
-        def above(age: np.ndarray) -> np.ndarray:  # sum_i max(L_i - age, 0)
-            first = np.searchsorted(lengths, age, side="right")
-            return totals[-1] - totals[first] - (lengths.size - first) * age
-        tokens += above(starts) - above(starts + width)
+        # tokens in tier [a, a + w): sum_i clip(L_i - a, 0, w)
+        tokens += _tokens_past(lengths, starts) - _tokens_past(lengths, starts + width)
         longest += np.clip(lengths[-1] - starts, 0, width)
     return Tiers(width, tokens / len(steps), longest / len(steps))
+
+
+def _tokens_past(sorted_lengths: np.ndarray, ages: np.ndarray) -> np.ndarray:
+    """sum_i max(L_i - age, 0) for each age: the tokens decoded past that age, from the prefix sums."""
+    totals = np.concatenate([[0.0], np.cumsum(sorted_lengths)])
+    first = np.searchsorted(sorted_lengths, ages, side="right")
+    return totals[-1] - totals[first] - (sorted_lengths.size - first) * ages
 
 
 def tier_policies(tiered: Tiers, cost: CostModel) -> list[TierPolicy]:
@@ -136,16 +139,16 @@ def tier_policies(tiered: Tiers, cost: CostModel) -> list[TierPolicy]:
 
 def one_batch_policies(tiered: Tiers, cost: CostModel) -> list[TierPolicy]:
     """The policies with one batch at every age (an in-flight cap per instance, as the runs have), 1 to m."""
-    width = len(tiered.tokens)
+    count = len(tiered.tokens)
     policies = []
     for batch in range(1, cost.max_num_seqs + 1):
         tick = cost.tick_seconds(batch)
-        policies.append(TierPolicy(np.full(width, batch, dtype=np.int64), float(tiered.longest.sum() * tick),
+        policies.append(TierPolicy(np.full(count, batch, dtype=np.int64), float(tiered.longest.sum() * tick),
                                    float(tiered.tokens.sum() * tick / batch)))
     return policies
 
 
-def best_tiered(policies: list[TierPolicy], work: StepWork, cost: CostModel, gpus: int, staleness: int,
+def best_tiered(policies: list[TierPolicy], trained_tokens: float, cost: CostModel, gpus: int, staleness: int,
                 layouts: list[tuple[int, int, bool]] | None = None, edges: bool = True) -> TierBound:
     """The least seconds per step over the hull of the policies' (tail, work) and the layouts (default:
     colocated, and every split of `gpus`, as sim_bound.best_bound). `policy` is the hull corner nearest
@@ -164,7 +167,7 @@ def best_tiered(policies: list[TierPolicy], work: StepWork, cost: CostModel, gpu
         tail, decode, corner = tails[:, None], works[:, None], np.arange(len(corners))[:, None]
     best = None
     for gen, train, colocated in layouts:
-        terms = layout_terms(tail, decode, train_s(work, cost, train), cost, gen, staleness, colocated)
+        terms = layout_terms(tail, decode, train_step_s(cost, trained_tokens, train), cost, gen, staleness, colocated)
         step = np.max(np.stack(list(terms.values())), axis=0)
         at = np.unravel_index(np.argmin(step), step.shape)
         if best is None or step[at] < best.step_s:

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.sim_bound import RESULT_FILES, RESULTS, best_bound, layout_terms, mean_work, timed_steps, train_s
+from benchmarks.sim_bound import RESULT_FILES, RESULTS, best_bound, mean_work, timed_steps, train_s
 from benchmarks.sim_engine import CostModel, LengthModel
+from benchmarks.sim_terms import layout_terms
 from benchmarks.sim_tiers import TierPolicy, best_tiered, tier_policies, tiers
 
 # tick(x) = 0.1 + 0.05 x seconds, 3 sequences per instance, tiers of 4 tokens up to 12.
@@ -62,7 +63,7 @@ def test_the_hull_lies_under_every_policy_and_its_corners_are_policies():
 def test_no_policy_beats_the_estimate_and_it_never_beats_the_bound(staleness):
     tiered = tiers(STEPS, SMALL)
     work = mean_work(STEPS, SMALL)
-    estimate = best_tiered(tier_policies(tiered, SMALL), work, SMALL, 4, staleness)
+    estimate = best_tiered(tier_policies(tiered, SMALL), work.trained_tokens, SMALL, 4, staleness)
     layouts = [(4, 4, True), (1, 3, False), (2, 2, False), (3, 1, False)]
     for policy in _every_policy(tiered, SMALL):
         for gen, train, colocated in layouts:
@@ -82,7 +83,7 @@ def test_without_a_per_sequence_cost_foresight_buys_nothing():
     policies = tier_policies(tiers(steps, cost), cost)
     assert len(policies) == 1 and set(policies[0].batches.tolist()) == {cost.max_num_seqs}
     for gpus, staleness in itertools.product((8, 32), (0, 1, 4)):
-        estimate = best_tiered(policies, work, cost, gpus, staleness)
+        estimate = best_tiered(policies, work.trained_tokens, cost, gpus, staleness)
         assert estimate.step_s == pytest.approx(best_bound(work, cost, gpus, staleness).step_s)
 
 
@@ -112,7 +113,7 @@ def test_the_recorded_estimate_is_up_to_date(monkeypatch):
     work = mean_work(timed, cost)
     policies = tier_policies(tiers(timed, cost), cost)
     record = next(r for r in result["records"] if r["gpus"] == 128 and r["run"] == "d2")
-    estimate = best_tiered(policies, work, cost, 128, 2)
+    estimate = best_tiered(policies, work.trained_tokens, cost, 128, 2)
     assert record["age_batched"]["sim_seconds_per_step"] == pytest.approx(estimate.step_s, abs=0.01)
     assert (record["age_batched"]["gen_gpus"], record["age_batched"]["train_gpus"]) == (
         estimate.gen_gpus, estimate.train_gpus)
