@@ -19,7 +19,7 @@ import argparse
 import logging
 import sys
 
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 
 EXIT_BAD_CONFIG = 2

@@ -17,8 +17,9 @@ import pandas as pd
 import ray
 from ray.data.context import DEFAULT_TARGET_MAX_BLOCK_SIZE
 
-from pipelines.config.schema import JobConfig
+from pipelines.config.job import JobConfig
 from pipelines.runtime.placement import ReplicaPlacement, drop_remote_args_probes, map_stage
+from pipelines.runtime.rollout_settings import uses_in_flight
 from pipelines.stages import Stage, replica_placement, stages
 
 
@@ -92,7 +93,7 @@ def configure_data_context(cfg: JobConfig, replicas: ReplicaPlacement | None = N
     """Set Ray Data's process-wide settings for the RL DAG: call it once per attempt, before building the
     DAG (a Dataset takes a copy of the current DataContext when it is made). `replicas`: the generate
     actors' placement groups, if any (replica_placement(cfg)). Why each setting: beside it."""
-    in_flight = cfg.rollout.uses_in_flight()
+    in_flight = uses_in_flight(cfg.rollout)
     ctx = ray.data.DataContext.get_current()
     # Call-synchronous: keep the order (a reordered stream blocks generate heads-of-line at staleness 0).
     # In flight: calls run side by side in one actor, so nothing blocks; keeping the order would hold every

@@ -25,7 +25,8 @@ import pandas as pd
 import ray
 
 from operators.sandbox import isolation
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.dag import schedule_groups
 from pipelines.data.datasets import load_prompts
 from pipelines.data.prompt_checks import validate_prompts
@@ -37,6 +38,7 @@ from pipelines.recovery.checkpoint import CheckpointDir, dataset_digest, next_ru
 from pipelines.recovery.preemption import Preempted, Preemption
 from pipelines.recovery.resume import AttemptFailed, check_can_resume, describe_failure, resolve_run, run_file_info
 from pipelines.recovery.step_log import EvalRows, StepLog
+from pipelines.runtime.rollout_settings import sandbox_limits
 from pipelines.runtime.session import check_object_store, ray_session
 from pipelines.tracking.policy_model import log_final_policy
 from pipelines.tracking.timeline import overlap_report
@@ -130,7 +132,7 @@ def prepare(cfg: JobConfig, echo: Callable[[str], None], resume: str | None) -> 
     echo(f"streamrl: {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x {cfg.rollout.n} samples, "
          f"max_staleness={cfg.train.max_staleness}, model {model_path}")
     echo(announce_run(tracker))
-    echo(isolation(cfg.sandbox.limits().isolate_network)[1])  # what reward and tool code runs inside
+    echo(isolation(sandbox_limits(cfg.sandbox).isolate_network)[1])  # what reward and tool code runs inside
     if resume is not None:
         where = f"checkpoint {checkpoint.path} (step {start})" if checkpoint else "the start (no checkpoint yet)"
         echo(f"streamrl: resuming run {run_id} from {where}")

@@ -26,8 +26,8 @@ from operators.generate import Generate
 from operators.reward import Reward
 from operators.workers.deepspeed_setup import free_port
 from operators.workers.train_worker import TrainWorker
+from pipelines.config.job import JobConfig
 from pipelines.config.load import load_config
-from pipelines.config.schema import JobConfig
 from pipelines.data.datasets import load_prompts
 from pipelines.data.models import resolve_model_path
 from pipelines.runtime.trainer_settings import trainer_settings

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=4, help="responses per prompt")
     parser.add_argument("--reward", default="arithmetic_exact", help="builtin name or module:function")
     args = parser.parse_args(argv)
-    from pipelines.config.schema import ModelConfig
+    from pipelines.config.model import ModelConfig
     from pipelines.config.world import SCHEMA_CONTEXT
     from pipelines.data.models import resolve_model_path
 

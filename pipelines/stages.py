@@ -36,10 +36,13 @@ from operators.ref_logprob import RefLogprob
 from operators.reward import Reward
 from operators.train import Train
 from operators.value import Value
-from pipelines.config.schema import JobConfig, ModelConfig
+from pipelines.config.job import JobConfig
+from pipelines.config.model import ModelConfig
 from pipelines.data.models import resolve_model_path
 from pipelines.runtime.placement import ReplicaPlacement, engine_bundles, vllm_executor_backend
 from pipelines.runtime.resources import DAG_HELPER_CPUS
+from pipelines.runtime.rollout_settings import (actor_calls, environment_options, sandbox_limits, uses_in_flight,
+                                                weight_plane)
 from pipelines.runtime.trainer_settings import advantage_options, train_options
 
 # Calls the last stage runs at once: one trains, the others take in groups meanwhile.
@@ -90,7 +93,7 @@ def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = 
         options.update(cfg.rollout.vllm.model_dump(), seed=cfg.train.seed)
         if in_flight:
             options["max_num_seqs"] = cfg.rollout.max_seqs_in_flight
-        if in_flight and plane and cfg.weight_plane() == "gloo":  # the generate stage's engines receive on the plane
+        if in_flight and plane and weight_plane(cfg) == "gloo":  # the generate stage's engines receive on the plane
             options.update(weight_transfer="gloo", weight_timeout_s=cfg.rollout.weight_timeout_s)
         backend = vllm_executor_backend(cfg.rollout.vllm.tensor_parallel_size,
                                         cfg.rollout.num_gpus if replica_group else 0)
@@ -137,7 +140,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
     generate_options = {"num_cpus": cfg.rollout.num_cpus, **remote_args.get("generate", {})}
     if replicas is not None:  # the group holds the engine's GPUs (vLLM's workers take them), the actor none
         generate_options.update(num_gpus=None, ray_remote_args_fn=replicas)
-    in_flight, calls = cfg.rollout.uses_in_flight(), cfg.rollout.actor_calls()
+    in_flight, calls = uses_in_flight(cfg.rollout), actor_calls(cfg.rollout)
     queued = calls if in_flight else 2
     generate = dict(
         model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
@@ -152,11 +155,11 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
     )
     if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
         env = cfg.rollout.environment
-        generate.update(environment=env.name, environment_options=cfg.environment_options(), max_turns=env.max_turns,
+        generate.update(environment=env.name, environment_options=environment_options(cfg), max_turns=env.max_turns,
                         max_episode_tokens=env.max_episode_tokens)
     reward = dict(
         functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
-        timeout_s=cfg.reward.timeout_s, timestamps=True, limits=cfg.sandbox.limits(),
+        timeout_s=cfg.reward.timeout_s, timestamps=True, limits=sandbox_limits(cfg.sandbox),
     )
     # reward.placement "generate": each group is scored in the generate actor that sampled it (one stage,
     # one executor hop less on the loop); "stage": a reward actor pool of its own.

@@ -1,5 +1,10 @@
 """A tiny name -> object registry, so configs can pick implementations by string."""
 
+import ast
+import functools
+import importlib
+import importlib.util
+from pathlib import Path
 from typing import Callable, Dict, Generic, List, TypeVar
 
 T = TypeVar("T")
@@ -49,25 +54,34 @@ class Registry(Generic[T]):
         return name in self._entries
 
 
-# The names each built-in registry holds once its module is imported, for checks that must not import
-# that module (config validation: operators.algorithms.losses imports torch, which alone takes seconds).
-# tests/unit/test_config.py checks they match the registries. A name not listed here is looked up in the
-# registry itself, so implementations a user registers still validate.
-BUILTIN_NAMES = {
-    ("operators.algorithms.losses", "POLICY_LOSSES"): ("decoupled_ppo", "gspo", "ppo_clip"),
-    ("operators.algorithms.losses", "LOSS_AGGREGATIONS"): ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"),
-    ("operators.algorithms.losses", "KL_ESTIMATORS"): ("k1", "k2", "k3"),
-    ("operators.algorithms.estimators", "ADVANTAGE_ESTIMATORS"): ("dr_grpo", "grpo", "grpo_no_std", "reinforce_pp_baseline", "rloo"),
-    ("operators.algorithms.estimators", "TOKEN_ESTIMATORS"): ("gae",),
-}
+def declared_names(module: str, attribute: str) -> tuple[str, ...]:
+    """The names `module`'s own decorators register in its registry `attribute` (@ATTRIBUTE.register("name")),
+    sorted, read from the module's source without importing it: config validation checks built-in names this
+    way because operators.algorithms.losses imports torch, seconds of start-up for `streamrl validate`. The
+    decorators are the only place a built-in name is written; tests/unit/test_config.py checks these equal
+    the registry's names once the module is imported."""
+    return _declared(module)[attribute] if attribute in _declared(module) else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(module: str) -> dict[str, tuple[str, ...]]:
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
+    found: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        for decorator in getattr(node, "decorator_list", ()):
+            if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
+                    and decorator.func.attr == "register" and isinstance(decorator.func.value, ast.Name)
+                    and decorator.args and isinstance(decorator.args[0], ast.Constant)):
+                found.setdefault(decorator.func.value.id, []).append(decorator.args[0].value)
+    return {name: tuple(sorted(names)) for name, names in found.items()}
 
 
 def registry_of(module: str, attribute: str) -> "Registry":
-    import importlib
-
     return getattr(importlib.import_module(module), attribute)
 
 
 def is_registered(module: str, attribute: str, name: str) -> bool:
-    """`name` is in the registry `module.attribute`; imports the module only for a name that is not built in."""
-    return name in BUILTIN_NAMES.get((module, attribute), ()) or name in registry_of(module, attribute)
+    """`name` is in the registry `module.attribute`; imports the module only for a name its decorators do not
+    declare (one a user registers still validates)."""
+    return name in declared_names(module, attribute) or name in registry_of(module, attribute)

@@ -1,6 +1,9 @@
-"""What a trainer rank is told: its settings (pipelines/runtime/trainer_group.py maps the config onto
-them) and its learning-rate schedule. Shared by the policy ranks (operators/workers/train_worker.py) and
-the critic ranks (operators/workers/value_worker.py)."""
+"""What a trainer rank is told: its settings and its learning-rate schedule. Shared by the policy ranks
+(operators/workers/train_worker.py) and the critic ranks (operators/workers/value_worker.py).
+
+TrainerSettings is the one declaration of what a rank reads: pipelines/runtime/trainer_settings.py fills each
+field from the config field of the same name (train, algorithm, rollout, model; the critic's from its own
+section first), so a field added here and to its config section needs no mapping of its own."""
 
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ class LrSchedule:
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """A rank's settings. pipelines/runtime/trainer_group.py maps the config onto them in one table; the defaults
-    here equal the config's (tests/unit/test_config.py checks), for loops that build a rank by hand."""
+    """A rank's settings, each named as its config field (pipelines/runtime/trainer_settings.py fills them by
+    name); the defaults here equal the config's (tests/unit/test_config.py checks), for loops that build a rank
+    by hand."""
 
     model_path: str
     lr: float = 2e-3
@@ -58,8 +62,8 @@ class TrainerSettings:
     share_prompts: bool = False  # a group's prompt laid out once before its responses (operators/algorithms/shared_prompts.py)
     logits_chunk_tokens: int = 2048  # log-probs of at most this many positions at once (0: all at once)
     gradient_checkpointing: bool = False
-    weight_bucket_mb: float = 256  # the weight channel's bucket size (operators/weights.py)
-    weight_transfer: str = "object_store"  # "gloo": the weight plane (operators/weight_plane.py); rank 0 sends
+    weight_bucket_mb: float = 256  # the weight channel's bucket size (operators/weights/buckets.py)
+    weight_transfer: str = "object_store"  # "gloo": the weight plane (operators/weights/gloo_plane.py); rank 0 sends
     weight_timeout_s: float = 300.0  # the weight plane's longest wait
     verify_weights_every: int = 50  # the weight plane: checksums on the first update and every n-th
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)

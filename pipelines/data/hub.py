@@ -61,7 +61,7 @@ def hub_snapshot(repo: str, revision: str | None, field: str, local_only: bool =
     or `local_only`. ConfigError naming `field`, the cache and the fixes when it cannot be had."""
     from huggingface_hub import snapshot_download
 
-    from pipelines.config.schema import ConfigError
+    from pipelines.config.base import ConfigError
 
     cache = hub_cache_dir()
     offline = hub_offline() or local_only

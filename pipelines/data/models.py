@@ -79,7 +79,7 @@ _RESOLVED: dict[tuple, str] = {}  # (path, revision, offline, the two caches) ->
 
 
 def _config_error(field: str, message: str):
-    from pipelines.config.schema import ConfigError  # pipelines.config.schema imports this module
+    from pipelines.config.base import ConfigError  # pipelines.config.world imports this module
 
     return ConfigError([(field, message)])
 
@@ -246,7 +246,8 @@ def resolve_job_models(cfg, echo: Callable[[str], None] = print) -> str:
     policy's folder; later `resolve_model_path` calls of this process get the others from memory. The
     policy's folder is checked (model_folder_problems): a broken one is a ConfigError, not a traceback in
     an actor."""
-    from pipelines.config.schema import ConfigError, ModelConfig
+    from pipelines.config.base import ConfigError
+    from pipelines.config.model import ModelConfig
 
     policy = resolve_model_path(cfg.model, "model.path", echo)
     problems = model_folder_problems(policy, "model.path", cfg.model.trust_remote_code)

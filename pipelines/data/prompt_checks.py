@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from pipelines.config.schema import ConfigError, DataConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.data import DataConfig
 
 if TYPE_CHECKING:
-    from pipelines.config.schema import JobConfig
+    from pipelines.config.job import JobConfig
 
 SHOWN = 5  # ids listed per kind of problem
 

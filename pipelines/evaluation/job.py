@@ -29,7 +29,8 @@ import pandas as pd
 
 from operators.eval_metrics import summarize
 from pipelines.recovery.checkpoint import RUN_FILE, Checkpoint, CheckpointDir, CheckpointError, verify
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.config.load import config_from_tree
 from pipelines.evaluation.in_training import EvalSettings, describe_eval, eval_frames, load_eval_prompts, scored_table
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import pandas as pd
 
-from pipelines.config.schema import JobConfig
+from pipelines.config.job import JobConfig
 from pipelines.evaluation.in_training import InTrainingEval
 from pipelines.stages import engine_options
 

@@ -24,6 +24,8 @@ import json
 import math
 from pathlib import Path
 
+from pipelines.runtime.rollout_settings import weight_plane
+
 GIB = 2**30
 # Bytes a Hugging Face Llama/Qwen2 decoder layer keeps for backward per token, by training width (bytes a
 # value: 2 for bf16, 4 for fp32), as (bytes per hidden unit, bytes per MLP unit). Counted from the tensors
@@ -144,13 +146,13 @@ def policy_versions_in_store(cfg, may_run) -> tuple[int, str]:
     """Versions of the policy's weights one node's object store may hold, and why. `may_run(stage)`: whether
     the node may run that actor (pipelines/runtime/resources.py's stage names).
 
-    On the weight plane (`cfg.weight_plane()` gloo: vLLM's in-flight engines on CPUs) engines take each
+    On the weight plane (`weight_plane(cfg)` gloo: vLLM's in-flight engines on CPUs) engines take each
     version over vLLM's weight-transfer API, not the object store. What still goes through it: each version
     engines pull on the object-store plane (the HF engine, vLLM with in_flight false, and vLLM on GPUs until
     NCCL is wired; rank 0 puts it, every generate actor's node holds a copy while it reads), and the
     versions retained for the in-training evaluator (rank 0 puts them; the evaluator's node reads one at a
     time)."""
-    live = VERSIONS_IN_FLIGHT if cfg.weight_plane() == "object_store" else 0
+    live = VERSIONS_IN_FLIGHT if weight_plane(cfg) == "object_store" else 0
     retained = RETAINED_FOR_EVAL if cfg.eval is not None else 0
     why = " and ".join(reason for count, reason in ((live, "the HF engine pulls each version from the store"),
                                                    (retained, "versions retained for the evaluator")) if count)

@@ -31,7 +31,7 @@ from typing import Callable
 
 import ray
 
-from pipelines.config.schema import JobConfig
+from pipelines.config.job import JobConfig
 from pipelines.runtime.resources import live_nodes, plan_problems
 from pipelines.recovery.resume import AttemptFailed
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipelines.config.schema import JobConfig, NodeGroup
+from pipelines.config.cluster import NodeGroup
+from pipelines.config.job import JobConfig
 
 # The actor of build_rl_dataset's last stage (Advantage + the Train operator, pipelines/stages.py).
 DAG_HELPER_CPUS = 0.1

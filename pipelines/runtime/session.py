@@ -11,7 +11,8 @@ from pathlib import Path
 
 import ray
 
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.runtime.memory import object_store_problem
 from pipelines.runtime.resources import Node, demands
 

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.config.load import load_config
 from pipelines.tracking.run_inputs import CODE_VERSION_ENV
 from pipelines.tracking.tracker import RUN_ANNOUNCEMENT

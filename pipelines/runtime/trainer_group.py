@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import (
 from operators.workers.deepspeed_setup import free_port
 from operators.workers.train_worker import TrainWorker
 from operators.workers.value_worker import ValueWorker
-from pipelines.config.schema import JobConfig
+from pipelines.config.job import JobConfig
 from pipelines.runtime.trainer_settings import critic_settings, trainer_settings
 
 

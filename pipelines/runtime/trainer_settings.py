@@ -1,14 +1,33 @@
-"""What the config asks of the trainer and critic ranks: the config mapped onto `TrainerSettings`
-(operators/workers/settings.py) and onto the Advantage and Train operators' options. No Ray here: the
-job (pipelines/runtime/trainer_group.py, pipelines/stages.py) and the one-process loop
-(pipelines/plain_loop.py) use the same mapping."""
+"""What the config asks of the trainer and critic ranks: the config onto `TrainerSettings`
+(operators/workers/settings.py, the one declaration of what a rank reads) and onto the Advantage and Train
+operators' options. No Ray here: the job (pipelines/runtime/trainer_group.py, pipelines/stages.py) and the
+one-process loop (pipelines/plain_loop.py) use the same mapping.
+
+A TrainerSettings field takes the config field of its own name, from the first section that has one
+(POLICY_SECTIONS, CRITIC_SECTIONS): a field is named once, in TrainerSettings and its config section, and no
+table lists them again. The few built from several fields (the LR schedule, the off-policy correction, the
+policy's token budget, the resolved weight transfer) are built here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from operators.algorithms.correction import CorrectionSettings
-from operators.algorithms.estimators import STEP_WHITENED
+from operators.algorithms.estimators import STEP_WHITENED, policy_token_budget
 from operators.workers.settings import LrSchedule, TrainerSettings
-from pipelines.config.schema import JobConfig, ModelConfig
+from pipelines.config.job import JobConfig
+from pipelines.config.model import ModelConfig
+from pipelines.runtime.rollout_settings import weight_plane
+
+# Where the policy ranks' fields come from, first match wins: train before rollout (torch_threads is the trainer's).
+POLICY_SECTIONS = ("train", "algorithm", "rollout", "model")
+# The critic: its own section's optimiser and ranks (lr, grad_clip, zero_stage, torch_threads); the policy's
+# step shape (micro-batches, epochs, mini-batches), seed, NaN policy and memory layout; none of the policy
+# loss's settings (the critic's loss is its own), nothing of the rollout's.
+CRITIC_SECTIONS = ("critic", "train", "model")
+# train's fields the critic does not take (it keeps TrainerSettings' defaults): it trains in fp32 at a constant
+# lr with AdamW's default betas and no weight decay, and has no vocabulary to chunk.
+NOT_FOR_THE_CRITIC = frozenset({"betas", "weight_decay", "dtype", "lr_schedule", "logits_chunk_tokens"})
 
 
 def updates_per_step(cfg: JobConfig) -> int:
@@ -16,53 +35,40 @@ def updates_per_step(cfg: JobConfig) -> int:
     return cfg.train.ppo_epochs * cfg.train.mini_batches
 
 
-# Where each TrainerSettings field comes from in the config: the one map from config to trainer (a
-# field not named here keeps TrainerSettings' default, which tests/unit/test_config.py (test_one_map_from_config_to_trainer_settings_and_the_same_defaults) checks
-# equals the config's). The critic's ranks read the same map with CRITIC_SETTINGS on top.
-POLICY_SETTINGS = {
-    "lr": "train.lr", "betas": "train.betas", "weight_decay": "train.weight_decay", "grad_clip": "train.grad_clip",
-    "zero_stage": "train.zero_stage", "dtype": "train.dtype", "seed": "train.seed",
-    "torch_threads": "train.torch_threads", "micro_batch_tokens": "train.micro_batch_tokens",
-    "packing": "train.packing", "share_prompts": "train.share_prompts",
-    "logits_chunk_tokens": "train.logits_chunk_tokens", "gradient_checkpointing": "train.gradient_checkpointing",
-    "weight_bucket_mb": "train.weight_bucket_mb", "nan_policy": "train.nan_policy",
-    "weight_timeout_s": "rollout.weight_timeout_s", "verify_weights_every": "rollout.verify_weights_every",
-    "zero3_persistence_threshold": "train.zero3_persistence_threshold", "ppo_epochs": "train.ppo_epochs",
-    "mini_batches": "train.mini_batches", "temperature": "rollout.temperature",
-    "trust_remote_code": "model.trust_remote_code",
-    "policy_loss": "algorithm.policy_loss", "loss_aggregation": "algorithm.loss_aggregation",
-    "clip_eps_low": "algorithm.clip_eps_low", "clip_eps_high": "algorithm.clip_eps_high",
-    "clip_ratio_c": "algorithm.clip_ratio_c", "kl_coef": "algorithm.kl_coef",
-    "kl_estimator": "algorithm.kl_estimator", "entropy_coef": "algorithm.entropy_coef",
-}
-# The critic: its own section's optimiser and ranks; the policy's step shape (micro-batches, epochs,
-# mini-batches), seed and NaN policy; none of the policy loss's settings (the critic's loss is its own).
-CRITIC_SETTINGS = {
-    **{name: POLICY_SETTINGS[name] for name in (
-        "seed", "micro_batch_tokens", "packing", "share_prompts", "gradient_checkpointing", "weight_bucket_mb", "nan_policy",
-        "zero3_persistence_threshold", "ppo_epochs", "mini_batches", "trust_remote_code")},
-    "lr": "critic.lr", "grad_clip": "critic.grad_clip", "zero_stage": "critic.zero_stage",
-    "torch_threads": "critic.torch_threads",
-}
+def policy_budget(cfg: JobConfig) -> int:
+    """The most tokens the policy writes per response (a multi-turn episode's turns together): the length
+    budget of the overlong shaping and Dr. GRPO's normaliser (operators.algorithms.estimators.policy_token_budget)."""
+    env = cfg.rollout.environment
+    return policy_token_budget(cfg.rollout.max_new_tokens,
+                               *(() if env is None else (env.max_turns, env.max_episode_tokens)))
 
 
-def config_value(cfg: JobConfig, dotted: str):
-    value = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return tuple(value) if isinstance(value, list) else value
+def config_sources(cfg: JobConfig, sections: tuple[str, ...], built: tuple[str, ...] = ()) -> dict[str, str]:
+    """For each TrainerSettings field not in `built`, the config field it takes ('section.field'): the first of
+    `sections` with a field of its name. A field that no section has keeps TrainerSettings' default (for the
+    critic, the policy loss's fields)."""
+    sources = {}
+    for field in dataclasses.fields(TrainerSettings):
+        found = [section for section in sections if field.name in type(getattr(cfg, section)).model_fields]
+        if field.name != "model_path" and field.name not in built and found:
+            sources[field.name] = f"{found[0]}.{field.name}"
+    return sources
 
 
-def settings_from(cfg: JobConfig, model_path: str, table: dict[str, str], **extra) -> TrainerSettings:
-    return TrainerSettings(model_path=model_path, **{name: config_value(cfg, path) for name, path in table.items()},
-                           **extra)
+def settings_from(cfg: JobConfig, model_path: str, sources: dict[str, str], **built) -> TrainerSettings:
+    def value(dotted: str):
+        section, name = dotted.split(".")
+        found = getattr(getattr(cfg, section), name)
+        return tuple(found) if isinstance(found, list) else found
+
+    return TrainerSettings(model_path=model_path, **{name: value(path) for name, path in sources.items()}, **built)
 
 
 def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
-    """The policy ranks' settings (POLICY_SETTINGS, plus the LR schedule and the off-policy correction,
-    which are built from several fields)."""
-    return settings_from(
-        cfg, model_path, POLICY_SETTINGS, max_new_tokens=cfg.policy_budget(), weight_transfer=cfg.weight_plane(),
+    """The policy ranks' settings: every field from POLICY_SECTIONS by name, plus the LR schedule, the
+    off-policy correction, the token budget and the weight transfer, which are built from several fields."""
+    built = dict(
+        max_new_tokens=policy_budget(cfg), weight_transfer=weight_plane(cfg),
         lr_schedule=LrSchedule(
             warmup_steps=cfg.train.lr_warmup_steps * updates_per_step(cfg),
             total_steps=cfg.train.steps * updates_per_step(cfg),
@@ -73,11 +79,18 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
             mis=cfg.algorithm.mis, mis_low=cfg.algorithm.mis_low, mis_high=cfg.algorithm.mis_high,
         ),
     )
+    return settings_from(cfg, model_path, config_sources(cfg, POLICY_SECTIONS, built=tuple(built)), **built)
 
 
 def critic_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
     """The critic's DeepSpeed settings: its own section's, and the policy's update schedule."""
-    return settings_from(cfg, model_path, CRITIC_SETTINGS)
+    return settings_from(cfg, model_path, critic_sources(cfg))
+
+
+def critic_sources(cfg: JobConfig) -> dict[str, str]:
+    sources = config_sources(cfg, CRITIC_SECTIONS)
+    return {name: path for name, path in sources.items()
+            if not (name in NOT_FOR_THE_CRITIC and path.startswith("train."))}
 
 
 def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
@@ -92,7 +105,7 @@ def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
 
 def advantage_options(cfg: JobConfig) -> dict:
     """Constructor arguments of the Advantage operator (operators.advantage)."""
-    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": cfg.policy_budget(),
+    options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": policy_budget(cfg),
                "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
                "kl_reward_coef": cfg.algorithm.kl_reward_coef}
     if cfg.critic is not None:  # a token estimator (config validation)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from pipelines.recovery.checkpoint import CRITIC_DIR, ENGINE_DIR, LEDGER, MANIFEST, RNG_DIR, STATE, Checkpoint, step_dir_name
-from pipelines.config.schema import JobConfig
+from pipelines.config.job import JobConfig
 
 MODEL_NAME = "policy"
 RECORD_TAG = "streamrl.record"  # one per spool record: a retried delivery finds the model it created

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines.config.schema import BUILTIN_DATASET_PREFIX
+from pipelines.config.data import BUILTIN_DATASET_PREFIX
 
 PACKAGES = ("torch", "ray", "deepspeed", "mlflow", "transformers", "pyarrow", "pydantic", "streamrl")
 CODE_VERSION_ENV = "STREAMRL_CODE_VERSION"

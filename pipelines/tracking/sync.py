@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelines.recovery.checkpoint import CheckpointDir
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.tracking.spool import SPOOL_FOLDER, Delivery, Spool, refused, short_error
 from pipelines.recovery.resume import resolve_run
 from pipelines.recovery.run_lease import LeaseHeld, RunLease

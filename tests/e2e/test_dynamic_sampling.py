@@ -9,7 +9,7 @@ import pytest
 
 from operators.algorithms.step_batch import select_informative
 from pipelines.recovery.checkpoint import CheckpointDir
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 from pipelines.job import run_job
 

@@ -14,6 +14,7 @@ from pipelines.cli import main
 from pipelines.config.load import load_config
 from pipelines.evaluation.job import eval_config, evaluate_checkpoint, resolve_checkpoint
 from pipelines.job import run_job
+from pipelines.runtime.rollout_settings import uses_in_flight
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ def test_tiny_grpo_learns_with_vllm_engine(ray_cluster, tmp_path):
         ROOT / "configs" / "tiny_grpo.yaml",
         [f"output_dir={tmp_path}", "rollout.engine=vllm", "rollout.partial_rollout=true"],
     )
-    assert cfg.rollout.uses_in_flight()
+    assert uses_in_flight(cfg.rollout)
     result = run_job(cfg)
     success = result.metrics["success_rate"]
     first, last = success.head(10).mean(), success.tail(10).mean()

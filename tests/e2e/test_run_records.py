@@ -21,7 +21,7 @@ import pytest
 
 from operators.durable import MIB, DiskFullError, write_atomic, write_json_atomic
 from pipelines.recovery.checkpoint import CheckpointDir, StepCheckpoints, step_dir_name
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 from pipelines.tracking.tracker import Tracker
 from pipelines.recovery.resume import AttemptFailed, is_disk_full_failure

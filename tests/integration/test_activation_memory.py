@@ -34,7 +34,7 @@ def test_estimate_is_within_a_quarter_of_the_real_model_step(checkpointing):
     """SmolLM2-135M, fp32, a micro-batch of 2 x 128 tokens: the estimate's activations, log-prob chunk and
     LM head gradient against the peak resident memory of the forward and backward (the weights and
     gradients allocated before); without checkpointing, its activations against the saved tensors too."""
-    from pipelines.config.schema import ModelConfig
+    from pipelines.config.model import ModelConfig
     from pipelines.data.models import resolve_model_path
 
     model_path = resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"))

@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from operators.reward import Reward
-from pipelines.config.schema import ConfigError, JobConfig, VLLMOptions
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.config.load import load_config
+from pipelines.config.rollout import VLLMOptions
 from pipelines.data.datasets import load_prompts
 from pipelines.data.prompt_checks import model_context_length, validate_prompts
 

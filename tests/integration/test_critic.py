@@ -18,7 +18,7 @@ from operators.algorithms.estimators import (
     outcome_token_rewards,
 )
 from operators.algorithms.losses import VALUE_LOSSES, clipped_value_loss
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 from samples import step_samples
 

@@ -60,7 +60,7 @@ def test_a_raising_hanging_or_non_string_tool_gives_an_error_observation_and_the
 def test_an_environment_that_cannot_be_imported_is_a_config_error_naming_the_fix(tmp_path):
     import yaml
 
-    from pipelines.config.schema import ConfigError
+    from pipelines.config.base import ConfigError
     from pipelines.config.load import load_config
 
     base = ["rollout.engine=vllm"]

@@ -16,8 +16,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import ConfigError, vllm_installed
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
+from pipelines.config.world import vllm_installed
 from pipelines.runtime.resources import declared_nodes, plan_problems, totals
 
 ROOT = Path(__file__).resolve().parents[2]

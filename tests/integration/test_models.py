@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from pipelines.data import models, smollm2
-from pipelines.config.schema import ConfigError, ModelConfig
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
+from pipelines.config.model import ModelConfig
 from pipelines.data.model_cache import MARKER_FILE
 from pipelines.data.models import resolve_model_path
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import ConfigError, vllm_installed
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
+from pipelines.config.world import vllm_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_grpo.yaml"

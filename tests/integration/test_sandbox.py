@@ -67,13 +67,14 @@ def test_the_sandbox_section_of_a_config_sets_the_limits_a_job_passes(monkeypatc
     """`sandbox:` in a config reaches the reward functions' child (what grpo and eval build Reward with) and
     the builtin tool environment's options."""
     from pipelines.config.load import load_config
+    from pipelines.runtime.rollout_settings import environment_options, sandbox_limits
 
     cfg = load_config("configs/tiny_tools.yaml", ["sandbox.pass_env=[STREAMRL_TEST_SECRET]", "sandbox.network=true",
                                                   "sandbox.memory_mb=2048", "sandbox.max_reply_mb=1"])
-    limits = cfg.sandbox.limits()
+    limits = sandbox_limits(cfg.sandbox)
     assert limits == SandboxLimits(address_space_bytes=2 << 30, max_reply_bytes=1 << 20, isolate_network=False,
                                    pass_env=("STREAMRL_TEST_SECRET",))
-    assert cfg.environment_options()["limits"] == limits
+    assert environment_options(cfg)["limits"] == limits
     monkeypatch.setenv("STREAMRL_TEST_SECRET", "hunter2")
     reward = Reward([("reward_fixtures:sees_test_secret", 1.0)], timeout_s=10, limits=limits)
     try:

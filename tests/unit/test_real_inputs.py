@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

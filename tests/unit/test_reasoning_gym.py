@@ -18,7 +18,8 @@ from operators.task_answers import (
     ANSWER_FORMAT, ANSWER_FORMATS, SYSTEM_PROMPT, entry_from_json, entry_to_json, extract_answer,
 )
 from pipelines.data import reasoning_tasks
-from pipelines.config.schema import ConfigError, DataConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.data import DataConfig
 from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.data.reasoning_tasks import TaskError, make_task_dataset

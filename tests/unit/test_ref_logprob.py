@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from operators.generate import Generate
 from operators.algorithms.chunking import length_sorted_chunks
 from operators.ref_logprob import RefLogprob
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.config.load import load_config
 
 
