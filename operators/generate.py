@@ -9,8 +9,8 @@ also enforces admission control against the policy store:
 Input rows need a `prompt` column: text, or chat messages (a list of `{role, content}`), rendered by
 `operators.prompts.PromptRenderer` with `chat_template` ("auto": the tokenizer's chat template for
 messages or with a `system_prompt`; "none"; or a Jinja file) and `system_prompt`. If a row has `train_step` and a policy store is given,
-the group is generated only once the store holds a version >= train_step - max_staleness,
-with the newest weights the store has. Output adds `prompt_token_ids`, `prompt_text` (the prompt
+the group is generated only once the engine holds a version >= train_step - max_staleness (`_admit`,
+the one staleness gate), with the newest weights the plane has brought (operators/weights/plane.py). Output adds `prompt_token_ids`, `prompt_text` (the prompt
 as the model read it, template applied), `responses`,
 `response_token_ids`, `behavior_logprobs`, `response_lengths`, `policy_version`,
 `time_generate`, `time_weight_sync` and the call's busy interval: `generator_id`,
@@ -58,7 +58,6 @@ from operators.engines.factory import make_engine, make_in_flight_engine
 from operators.faults import FaultPoints
 from operators.plain import plain
 from operators.prompts import PromptFormat, PromptRenderer, is_messages
-from operators.weights import fetch
 
 
 class Generate:
@@ -127,8 +126,13 @@ class Generate:
         self.weight_sync_seconds = 0.0  # pulled and loaded since the last batch left
         self.busy_since: float | None = None  # wall clock when this call's work began
         self.generator_id = f"{os.uname().nodename}:{os.getpid()}"
-        if policy_store is not None:  # the weight channel: the store actor's handle, passed in by the job
+        self.receiver = None  # call-synchronous engines: the object-store plane's receiver
+        if policy_store is not None:  # the weight channel: a PolicyStoreClient, passed in by the job
             self.store = policy_store
+            if not in_flight:
+                from operators.weights.object_store import ObjectStoreReceiver
+
+                self.receiver = ObjectStoreReceiver(policy_store)
         if in_flight:
             self.rollout = RolloutLoop(self.engine, max_seqs_in_flight=max_seqs_in_flight,
                                        partial_rollout=partial_rollout, store=self.store,
@@ -138,16 +142,37 @@ class Generate:
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
         # A generator: each yielded part leaves as its own block, so rows of an earlier
         # step are never held back while this call waits for a later step's policy.
-        if self.rollout is not None:
-            yield from self._call_in_flight(batch)
-            return
         if self.store is None or "train_step" not in batch.columns:
-            self._sync_weights(min_version=None)
-            yield self.sample(batch, self.greedy)
+            self._admit(None)
+            yield from self._generate(batch)
             return
         for step, part in batch.groupby("train_step", sort=True):
-            self._sync_weights(min_version=int(step) - self.max_staleness)
-            yield self.sample(part, self.greedy)
+            self._admit(int(step) - self.max_staleness)
+            yield from self._generate(part)
+
+    def _generate(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
+        if self.rollout is not None:
+            yield from self._stream(batch, self.greedy)  # each group as it is done
+        else:
+            yield self.sample(batch, self.greedy)
+
+    def _admit(self, min_version: int | None) -> None:
+        """The staleness gate, the same for every engine: return once the engine holds a policy version
+        >= `min_version` (None: no gate; a call-synchronous engine still loads a newer version if there is
+        one). The in-flight loop's watcher loads versions as the plane brings them and this waits for it;
+        a call-synchronous engine asks the object-store plane's receiver here and loads what it pulled."""
+        if self.rollout is not None:
+            if min_version is not None and self.store is not None:
+                self.rollout.wait_version(min_version, self.admission_timeout_s)
+            return
+        if self.receiver is None:
+            self.busy_since = time.time()
+            return
+        incoming = self.receiver.newest(self.policy_version, at_least=min_version, timeout_s=self.admission_timeout_s)
+        self.busy_since = time.time() - (incoming.pull_s if incoming else 0.0)  # admitted: pulling weights is work
+        if incoming is not None:
+            self.weight_sync_seconds += incoming.pull_s
+            self.load_policy(incoming.version, incoming.weights)
 
     def load_policy(self, version: int, state_dict) -> None:
         """Load the weights of policy `version` (the rows generated next record it)."""
@@ -160,14 +185,6 @@ class Generate:
         self.weight_sync_seconds += time.perf_counter() - start
 
     # --- in flight ---------------------------------------------------------------------------------
-
-    def _call_in_flight(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
-        if self.store is None or "train_step" not in batch.columns:
-            yield from self._stream(batch, self.greedy)
-            return
-        for step, part in batch.groupby("train_step", sort=True):
-            self.rollout.wait_version(int(step) - self.max_staleness, self.admission_timeout_s)
-            yield from self._stream(part, self.greedy)
 
     def _submit(self, batch: pd.DataFrame, greedy: bool):
         batch = batch.reset_index(drop=True)
@@ -261,25 +278,6 @@ class Generate:
             self.close()
         except Exception:
             pass
-
-    def _sync_weights(self, min_version: int | None) -> None:
-        """Wait for an admissible policy version, then pull the weights if ours are older."""
-        if self.store is None:
-            self.busy_since = time.time()
-            return
-        import ray
-
-        if min_version is None:
-            latest = ray.get(self.store.get_version.remote())
-        else:
-            latest = ray.get(self.store.wait_for.remote(min_version, self.admission_timeout_s))
-        self.busy_since = time.time()  # admitted: waiting is over, pulling weights is work
-        if latest > self.policy_version:
-            start = time.perf_counter()
-            version, (weights_ref,) = ray.get(self.store.get_latest.remote())
-            weights = fetch(weights_ref)  # the manifest, then its buckets (operators/weights.py)
-            self.weight_sync_seconds += time.perf_counter() - start
-            self.load_policy(version, weights)
 
     def _call_seed(self, batch: pd.DataFrame) -> int:
         """Stable per-call seed: same rows and policy version -> same samples."""

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import pandas as pd
 
-from operators.weights import as_weight_set, fetch
+from operators.weights.buckets import as_weight_set
 
 
 class Value:
@@ -64,9 +64,13 @@ class Value:
         self.shared_mask = check_shared_prompts(self.model, share_prompts, packing)  # None: not shared
         self.admission_timeout_s = admission_timeout_s
         self.store = None
+        self.receiver = None
         self.critic_version = 0  # the folder's weights
         if value_store is not None:
-            self.store = value_store  # the critic's store actor (its handle, passed in by the job)
+            from operators.weights.object_store import ObjectStoreReceiver
+
+            self.store = value_store  # the critic's store (a PolicyStoreClient, passed in by the job)
+            self.receiver = ObjectStoreReceiver(value_store)  # the critic's weights travel by the object store
             self.critic_version = -1  # nothing from the store yet: the folder's head is not the trained one
 
     def __call__(self, batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
@@ -81,15 +85,12 @@ class Value:
 
     def _sync_weights(self, min_version: int | None) -> None:
         """Wait for a critic version >= min_version, then load the newest if ours is older."""
-        if self.store is None or min_version is None:
+        if self.receiver is None or min_version is None:
             return
-        import ray
-
-        latest = ray.get(self.store.wait_for.remote(min_version, self.admission_timeout_s))
-        if latest > self.critic_version:
-            version, (weights_ref,) = ray.get(self.store.get_latest.remote())
-            self.model.load_state_dict(as_weight_set(fetch(weights_ref)).state_dict(), strict=True)
-            self.critic_version = version
+        incoming = self.receiver.newest(self.critic_version, at_least=min_version, timeout_s=self.admission_timeout_s)
+        if incoming is not None:
+            self.model.load_state_dict(as_weight_set(incoming.weights).state_dict(), strict=True)
+            self.critic_version = incoming.version
 
     def _scores(self, sequences: list[list[int]]):
         """One forward over all `sequences`: the value of the state before each next token, [B, L-1] (as

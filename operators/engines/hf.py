@@ -17,7 +17,7 @@ from operators.devices import local_device, refuse_zero3_partitioned_build
 from operators.engines.base import GroupSample, SamplingParams
 from operators.logprobs import next_token_logprobs
 from operators.prompts import cut_at_stop, stop_token_ids
-from operators.weights import as_weight_set
+from operators.weights.buckets import as_weight_set
 
 
 class HFEngine:

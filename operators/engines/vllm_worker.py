@@ -5,12 +5,12 @@ Loading weights through a named method needs neither a pickled function nor
 path (msgpack), and each worker reads the tensors itself.
 
 Importing this module (vLLM does, in every worker, before the model loads) also registers the weight
-plane's gloo backend with vLLM's factory (operators/engines/gloo_transfer.py).
+plane's gloo backend with vLLM's factory (operators/weights/vllm_gloo.py).
 """
 
 from __future__ import annotations
 
-from operators.engines import gloo_transfer  # noqa: F401  (registers the `streamrl_gloo` backend)
+from operators.weights import vllm_gloo  # noqa: F401  (registers the `streamrl_gloo` backend)
 
 
 class WeightLoader:
@@ -27,6 +27,6 @@ class WeightLoader:
         return len(named)
 
     def weight_report(self) -> dict:
-        """What the last weight-plane update checked (gloo_transfer.GlooWeightTransferEngine.report)."""
+        """What the last weight-plane update checked (vllm_gloo.GlooWeightTransferEngine.report)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "report", {}) or {})

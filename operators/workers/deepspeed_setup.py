@@ -99,6 +99,16 @@ def libc_malloc_trim():
         return None
 
 
+def host_memory_release(device_type: str):
+    """What a rank calls after each micro-batch's backward: on a CPU rank, hand the memory it freed back to
+    the OS. glibc keeps freed blocks below its (self-raising) mmap threshold in its heap, so without this a
+    step of many micro-batches of varying shapes grows the resident memory with the number of micro-batches
+    (measured: +2.3 GiB from 3 to 11 micro-batches, benchmarks/train_memory.py). GPU memory is the CUDA
+    caching allocator's and is not affected: nothing to do there (nor where the C library is not glibc)."""
+    trim = libc_malloc_trim() if device_type == "cpu" else None
+    return (lambda: trim(0)) if trim is not None else (lambda: None)
+
+
 def free_port() -> int:
     """A TCP port free on this machine now, for a rank group's rendezvous (MASTER_PORT)."""
     with socket.socket() as sock:

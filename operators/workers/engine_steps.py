@@ -1,6 +1,7 @@
 """The DeepSpeed engine's side of a train step: the LM head gathered once per micro-batch under ZeRO-3, the
-optimizer step and its gradient norm, and the NaN protocol (every rank agrees that a loss is finite before its backward; the gradients of an optimizer step
-that will not be taken are dropped; a job told to stop gets a NonFiniteError).
+optimizer steps (gradient accumulation over micro-batches) and their gradient norms, and the NaN protocol
+(every rank agrees that a loss is finite before its backward; the gradients of an optimizer step that will
+not be taken are dropped; a job told to stop gets a NonFiniteError).
 
 Plumbing only: operators/workers/train_worker.py decides when each is called.
 """
@@ -33,6 +34,51 @@ def finite_everywhere(torch, loss, device, world_size: int) -> bool:
     if world_size > 1:
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
     return bool(finite.item())
+
+
+def max_over_ranks(torch, value: int, device) -> int:
+    """The largest of every rank's `value` (a collective: every rank calls it)."""
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def optimizer_steps(torch, engine, mini_batches, loss_of, stop_message, release, *, zero_stage: int,
+                    nan_policy: str, device, world_size: int, who: str) -> tuple[list[float], list[float], bool, int]:
+    """Take one optimizer step per mini-batch. `mini_batches` yields (indices, tokens, sequences, epoch,
+    valid_sequences) per optimizer step, in order (the same on every rank);
+    `loss_of(indices, tokens, sequences, epoch, valid_sequences)` yields (loss, last) per micro-batch (the
+    same number on every rank); each gets its own backward, the gradients accumulate, and the last backward
+    is the accumulation boundary before the optimizer step. `release()` runs after each backward.
+
+    Before each backward the ranks agree that the loss is finite. One that is not, on any rank, ends
+    the step: the gradients accumulated for this optimizer step are dropped (the optimizer steps
+    already taken stay applied), or it raises with `stop_message(value)` under nan_policy "stop"
+    (`who` names the rank). Returns the losses, the gradient norms, whether the step was cut short and
+    the number of passes."""
+    losses, grad_norms, passes = [], [], 0
+    for indices, tokens, sequences, epoch, valid in mini_batches:
+        total, accumulated = 0.0, 0
+        for loss, last in loss_of(indices, tokens, sequences, epoch, valid):
+            passes += 1
+            # the NaN protocol: every rank agrees, or the step ends here
+            if not finite_everywhere(torch, loss, device, world_size):
+                losses.append(loss.item())
+                if accumulated:
+                    discard_gradients(torch, engine, loss, zero_stage, who)
+                if nan_policy == "stop":
+                    raise NonFiniteError(stop_message(losses[-1]))
+                return losses, grad_norms, True, passes
+            # gradient accumulation over micro-batches, one backward each
+            accumulated += 1
+            engine.set_gradient_accumulation_boundary(last)
+            engine.backward(loss)
+            total += loss.item()
+            del loss
+            release()
+        losses.append(total)
+        grad_norms.append(optimizer_step(torch, engine, zero_stage))  # clip and step
+    return losses, grad_norms, False, passes
 
 
 def optimizer_step(torch, engine, zero_stage: int) -> float:

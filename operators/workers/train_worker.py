@@ -15,6 +15,7 @@ the same for every ppo_epochs / mini_batches.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import contextmanager
@@ -30,29 +31,27 @@ from operators.algorithms.shared_prompts import check_shared_prompts, step_width
 from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts, subset
 from operators.devices import local_device
 from operators.logprobs import chunkable_head, chunked_logprobs
+from operators.weights.buckets import named_weights
+from operators.weights.publisher import Publisher
+from operators.workers.checkpointer import Checkpointer
 from operators.workers.deepspeed_setup import (
     build_engine,
     deepspeed_config,
-    libc_malloc_trim,
+    host_memory_release,
     rendezvous_env,
     start_deepspeed,
     zero3_init,
 )
-from operators.workers.engine_steps import (
-    NonFiniteError,
-    discard_gradients,
-    finite_everywhere,
-    gathered_head,
-    optimizer_step,
-)
+from operators.workers.engine_steps import gathered_head, max_over_ranks, optimizer_steps
 from operators.workers.settings import TrainerSettings
-from operators.workers.state_io import StateIO
 
 
-class TrainWorker(StateIO):
+class TrainWorker:
     """A policy rank. Set-up: operators/workers/deepspeed_setup.py; the engine's optimizer step and NaN
-    protocol: engine_steps.py; weights, publishing, checkpoints, RNG and HF export: state_io.py (StateIO);
-    the loss maths: operators/algorithms/loss_composition.py; the batch cutting: operators/algorithms/step_batch.py."""
+    protocol: engine_steps.py; the loss maths: operators/algorithms/loss_composition.py; the batch cutting:
+    operators/algorithms/step_batch.py. Its parts, held as objects and given what they use: `publisher`
+    (operators/weights/publisher.py: the weights to the generators and the policy store) and `checkpointer`
+    (checkpointer.py: checkpoints, RNG states, full state dicts, the HF export)."""
 
     # What this rank trains, for messages: its role and the config section that sets it up.
     ROLE, SECTION = "policy", "train"
@@ -84,14 +83,22 @@ class TrainWorker(StateIO):
         self._one_row = check_packing(model, settings.packing, self.SECTION)  # flash-attention: one packed row
         self._shared_mask = check_shared_prompts(model, settings.share_prompts, settings.packing)  # None: not shared (train.share_prompts for both roles)
         self._lm_head = chunkable_head(model)
-        self._malloc_trim = libc_malloc_trim() if self.device.type == "cpu" else None  # see _release_host_memory
-        # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
-        self.store = policy_store if rank == 0 else None
-        # Under ZeRO-3 gathering the full weights is a collective: every rank takes part in a
-        # publish, rank 0 alone sends them. (Small models hide this: DeepSpeed keeps parameters
-        # below stage3_param_persistence_threshold whole on every rank, so nothing is gathered.)
-        self.joins_publish = policy_store is not None and (rank == 0 or settings.zero_stage == 3)
-        self.version = 0
+        self._release_host_memory = host_memory_release(self.device.type)  # after each backward (a CPU rank's)
+        self.version = 0  # the policy version: train steps done (see the module docstring)
+        # The weight walk: (name, tensor) for every state-dict entry, one module at a time; under ZeRO-3 each
+        # module's parameters are gathered for the duration (a collective: every rank must iterate it, so every
+        # rank joins a publish and rank 0 alone sends). The parts get it, and what else they use.
+        gathered = deepspeed.zero.GatheredParameters if settings.zero_stage == 3 else None
+        self._named_weights = functools.partial(named_weights, self.engine.module, gathered)
+        self.publisher = Publisher(  # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
+            policy_store if rank == 0 else None, self._named_weights,
+            joins=policy_store is not None and (rank == 0 or settings.zero_stage == 3),
+            bucket_mb=settings.weight_bucket_mb, transfer=settings.weight_transfer,
+            timeout_s=settings.weight_timeout_s, verify_every=settings.verify_weights_every,
+            role=self.ROLE, section=self.SECTION, pin_memory=self.device.type == "cuda")
+        self.checkpointer = Checkpointer(
+            self.engine, torch, rank, self._named_weights, partitioned=settings.zero_stage == 3,
+            model_path=settings.model_path, trust_remote_code=settings.trust_remote_code)
 
     def _build_model(self, settings: TrainerSettings):
         """The module this rank trains, in the training dtype; a subclass may put another head on the backbone."""
@@ -114,6 +121,38 @@ class TrainWorker(StateIO):
         import ray
 
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    # --- weights and checkpoints (the parts: publisher, checkpointer) --------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full fp32 weights as numpy arrays, on every rank (ZeRO-3: every rank must call it)."""
+        return self.checkpointer.full_state_dict(everywhere=True, as_numpy=True)
+
+    def weight_buckets(self):
+        """The weights in the training dtype (the module's: bf16 under train.dtype bf16), bucketed."""
+        return self.publisher.buckets()
+
+    def _publish(self) -> float:
+        """Publish this rank's policy version (publisher.publish); the seconds this rank was held."""
+        return self.publisher.publish(self.version)
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Every rank: DeepSpeed engine state (model, optimizer, scheduler; its shard under ZeRO)
+        into folder/engine, and this rank's RNG states into folder/rng/rank_N.json."""
+        self.checkpointer.save(folder, self.version)
+
+    def load_checkpoint(self, folder: str, version: int) -> int:
+        """Every rank: restore the engine and RNG states; rank 0 then publishes `version` so generators
+        start from the checkpoint's weights. Returns the restored policy version."""
+        self.version = self.checkpointer.load(folder, version)
+        if version > 0:
+            self._publish()
+        return version
+
+    def save_pretrained(self, path: str, tokenizer: bool = False) -> str | None:
+        """Write an HF checkpoint in the training dtype, rank 0 writes; every rank must call it under ZeRO-3.
+        With the model folder's tokenizer when `tokenizer` (checkpointer.save_pretrained)."""
+        return self.checkpointer.save_pretrained(path, tokenizer)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -151,7 +190,7 @@ class TrainWorker(StateIO):
         stats, mismatch = StatSums(), []
 
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
-            return self._loss(part, tokens, sequences, epoch == 0, stats, mismatch, valid)
+            return self._policy_loss(part, tokens, sequences, epoch == 0, stats, mismatch, valid)
 
         # algorithm: ppo_epochs x mini_batches optimizer steps on the composed policy loss
         losses, grad_norms, skipped, passes, empty = self._updates(
@@ -162,7 +201,7 @@ class TrainWorker(StateIO):
         )
         # plumbing: the version, the publish to the generators, the rank's figures
         self.version += 1  # a skipped step still consumes its data and advances the version counter
-        publish_seconds = self._publish() if self.joins_publish else 0.0
+        publish_seconds = self._publish()  # 0.0 on a rank that does not join a publish
         return {
             "nonfinite_skipped": int(skipped),
             # mean over the optimizer steps (non-finite when one was; NaN when none ran); rank losses average to
@@ -195,41 +234,29 @@ class TrainWorker(StateIO):
         learn from and no normaliser: its optimizer step is skipped on every rank (they share the global
         counts) and counted. Returns the losses, the gradient norms, whether the step was cut short, the
         number of passes and the number of optimizer steps skipped as empty."""
-        settings, torch, engine = self.settings, self.torch, self.engine
-        losses, grad_norms, passes, empty = [], [], 0, 0
-        for epoch in range(settings.ppo_epochs):
-            # algorithm: the epoch's mini-batches and their normalisers (global over the ranks)
-            parts = self.mini_batches(count, epoch)
-            summed = self._global_counts(parts, samples)  # (tokens, responses with tokens) over the ranks
-            counts = [(global_tokens, global_sequences)] if settings.mini_batches == 1 else summed
-            for part_indices, (tokens, sequences), (_, valid) in zip(parts, counts, summed):
-                if tokens <= 0:  # algorithm: nothing to learn from, no normaliser: skip the optimizer step
-                    empty += 1
-                    continue
-                total, accumulated = 0.0, 0
-                for loss, last in loss_of(subset(samples, part_indices), tokens, sequences, epoch, valid):
-                    passes += 1
-                    # plumbing: the NaN protocol (engine_steps.py): every rank agrees, or the step ends here
-                    if not finite_everywhere(torch, loss, self.device, self.world_size):
-                        losses.append(loss.item())
-                        if accumulated:
-                            discard_gradients(torch, engine, loss, settings.zero_stage, f"{self.ROLE} rank {self.rank}")
-                        if settings.nan_policy == "stop":
-                            raise NonFiniteError(stop_message(losses[-1]))
-                        return losses, grad_norms, True, passes, empty
-                    # plumbing: gradient accumulation over micro-batches, one backward each
-                    accumulated += 1
-                    engine.set_gradient_accumulation_boundary(last)
-                    engine.backward(loss)
-                    total += loss.item()
-                    del loss
-                    self._release_host_memory()
-                losses.append(total)
-                grad_norms.append(optimizer_step(torch, engine, settings.zero_stage))  # plumbing: clip and step
-        return losses, grad_norms, False, passes, empty
+        settings, empty = self.settings, [0]
 
-    def _loss(self, part: dict, global_tokens: float, global_sequences: float, first_epoch: bool,
-              stats: StatSums, mismatch: list, valid_sequences: float):
+        def schedule():  # algorithm: each epoch's mini-batches and their normalisers (global over the ranks)
+            for epoch in range(settings.ppo_epochs):
+                parts = self.mini_batches(count, epoch)
+                summed = self._global_counts(parts, samples)  # (tokens, responses with tokens) over the ranks
+                counts = [(global_tokens, global_sequences)] if settings.mini_batches == 1 else summed
+                for indices, (tokens, sequences), (_, valid) in zip(parts, counts, summed):
+                    if tokens <= 0:  # algorithm: nothing to learn from, no normaliser: skip the optimizer step
+                        empty[0] += 1
+                        continue
+                    yield indices, tokens, sequences, epoch, valid
+
+        # plumbing: the optimizer steps, gradient accumulation and the NaN protocol (engine_steps.py)
+        losses, grad_norms, cut_short, passes = optimizer_steps(
+            self.torch, self.engine, schedule(), lambda indices, *counts: loss_of(subset(samples, indices), *counts),
+            stop_message, self._release_host_memory, zero_stage=settings.zero_stage,
+            nan_policy=settings.nan_policy, device=self.device, world_size=self.world_size,
+            who=f"{self.ROLE} rank {self.rank}")
+        return losses, grad_norms, cut_short, passes, empty[0]
+
+    def _policy_loss(self, part: dict, global_tokens: float, global_sequences: float, first_epoch: bool,
+                     stats: StatSums, mismatch: list, valid_sequences: float):
         """Yield (loss, last) for each micro-batch of one mini-batch (the losses sum to the mini-batch's
         loss), each computed just before its backward, so one micro-batch's graph is alive at a time.
         Statistics go into `stats` and `mismatch` as each micro-batch is computed. `valid_sequences`: the
@@ -352,10 +379,7 @@ class TrainWorker(StateIO):
             yield indices, self._batch_tensors(subset(samples, indices or [0]), width_limit), number == len(chunks)
 
     def _max_over_ranks(self, value: int) -> int:
-        torch = self.torch
-        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return int(tensor.item())
+        return max_over_ranks(self.torch, value, self.device)
 
     def _global_counts(self, parts: list[list[int]], samples: dict) -> list[tuple[float, float]]:
         """(valid tokens, responses with tokens) of each mini-batch summed over ranks: the
@@ -367,12 +391,3 @@ class TrainWorker(StateIO):
         if self.world_size > 1:
             torch.distributed.all_reduce(counts)
         return [(float(tokens), float(sequences)) for tokens, sequences in counts.tolist()]
-
-    def _release_host_memory(self) -> None:
-        """On a CPU rank, hand the memory freed by a micro-batch's backward back to the OS. glibc keeps
-        freed blocks below its (self-raising) mmap threshold in its heap, so without this a step of many
-        micro-batches of varying shapes grows the resident memory with the number of micro-batches
-        (measured: +2.3 GiB from 3 to 11 micro-batches, benchmarks/train_memory.py). GPU memory is the
-        CUDA caching allocator's and is not affected."""
-        if self._malloc_trim is not None:
-            self._malloc_trim(0)

@@ -41,8 +41,7 @@ class ValueWorker(TrainWorker):
         takes every critic version, the first included, from the store."""
         self.value_clip = value_clip
         super().__init__(rank, world_size, master_port, settings, value_store)
-        if self.joins_publish:
-            self._publish()
+        self._publish()  # version 0; nothing on a rank that does not join a publish
 
     def _build_model(self, settings: TrainerSettings):
         from transformers import AutoConfig, AutoModelForTokenClassification
@@ -62,7 +61,7 @@ class ValueWorker(TrainWorker):
         batch's values are unpacked per sequence (shared prompts: read at each response token's state)."""
         return batch.unpack(batch.outputs(self.engine(**batch.model_inputs()).logits)[..., 0].float())
 
-    def _loss(self, part: dict, global_tokens: float, stats: StatSums):
+    def _value_loss(self, part: dict, global_tokens: float, stats: StatSums):
         """Yield (loss, last) per micro-batch: the clipped value loss summed over its tokens, divided by this
         rank's share of the global token count, so DeepSpeed's average over ranks is the token mean."""
         from operators.algorithms.losses import VALUE_LOSSES
@@ -112,7 +111,7 @@ class ValueWorker(TrainWorker):
         samples, refreshed = self._current_old_values(samples)
 
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
-            return self._loss(part, tokens, stats)
+            return self._value_loss(part, tokens, stats)
 
         # the policy's mini-batch draw (same seed and version), the policy's update schedule
         _, grad_norms, skipped, _, empty = self._updates(
@@ -121,7 +120,7 @@ class ValueWorker(TrainWorker):
                           "(train.nan_policy: stop); lower critic.lr or check the rewards",
         )
         self.version += 1
-        publish_seconds = self._publish() if self.joins_publish else 0.0
+        publish_seconds = self._publish()  # 0.0 on a rank that does not join a publish
         return {
             "nonfinite_skipped": int(skipped),
             "grad_norm": grad_norms[0] if grad_norms else float("nan"),

@@ -26,8 +26,10 @@ import pandas as pd
 
 from operators.eval_metrics import summarize
 from operators.tables import to_parquet
-from operators.weights import fetch
-from pipelines.config.schema import ConfigError, JobConfig
+from operators.weights.object_store import fetch
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
+from pipelines.runtime.rollout_settings import environment_options, sandbox_limits
 
 SCORED_COLUMNS = [
     "prompt_id", "prompt", "prompt_text", "mode", "policy_version", "responses", "response_lengths", "rewards", "reward_errors",
@@ -65,9 +67,9 @@ class EvalSettings:
             seed=cfg.train.seed, prompts_per_call=ev.prompts_per_call, engine=ev.engine or cfg.rollout.engine,
             reward_functions=tuple((f.name, f.weight) for f in cfg.reward.functions), on_error=cfg.reward.on_error,
             timeout_s=cfg.reward.timeout_s, success_threshold=cfg.reward.success_threshold,
-            sandbox_limits=cfg.sandbox.limits(),
+            sandbox_limits=sandbox_limits(cfg.sandbox),
             environment=None if cfg.rollout.environment is None else {**cfg.rollout.environment.model_dump(),
-                                                                      "options": cfg.environment_options()},
+                                                                      "options": environment_options(cfg)},
             **cfg.prompt_options(held_out=True),
         )
 
@@ -154,15 +156,13 @@ class Evaluator:
         self.settings = settings
         self.generate = Generate(**settings.generate_kwargs(model_path, engine_options))
         self.reward = Reward(**settings.reward_kwargs())
-        self.store = policy_store  # the job's store actor (its handle), or None
+        self.store = policy_store  # the job's store (a PolicyStoreClient), or None
 
     def evaluate(self, version: int) -> dict:
-        import ray
-
         if version != self.generate.policy_version:
-            (weights_ref,) = ray.get(self.store.get_weights_of.remote(version))  # waits until it is published
+            weights_ref = self.store.weights_of(version)  # waits until it is published
             self.generate.load_policy(version, fetch(weights_ref))
-            self.store.release.remote(version)
+            self.store.release(version)
         start = time.perf_counter()  # the evaluation's own cost, not the wait for training to get there
         parts = [
             self.reward(self.generate.sample(frame, greedy=mode == "greedy")).assign(mode=mode)

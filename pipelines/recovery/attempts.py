@@ -21,7 +21,8 @@ import pandas as pd
 import ray
 
 from operators.durable import MIB, free_bytes, space_problem
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.dag import build_dag, configure_data_context, iter_steps
 from pipelines.evaluation.plan import EvalPlan
 from pipelines.recovery.checkpoint import CRITIC_DIR, LEDGER, Checkpoint, CheckpointDir, StepCheckpoints
@@ -192,14 +193,14 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
             replicas.release()
         stop_trainer_group(workers)
         try:
-            run.loads.extend(ray.get(store.load_log.remote(), timeout=10))
+            run.loads.extend(store.load_log(timeout_s=10))
         except Exception:  # the store died with the attempt: its log is lost, the job is not
             pass
-        ray.kill(store)
+        store.kill()
         if critics is not None:
             stop_trainer_group(critics)
         if value_store is not None:
-            ray.kill(value_store)
+            value_store.kill()
     if failure is not None:
         del ds
         gc.collect()  # the failed DAG's actor handles sit in reference cycles: free them now

@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 from pipelines.recovery.checkpoint import Checkpoint, CheckpointDir, CheckpointError, checked_run_id, find_run_dirs
-from pipelines.config.schema import ConfigError, JobConfig
+from pipelines.config.base import ConfigError
+from pipelines.config.job import JobConfig
 from pipelines.config.load import flatten
 
 # Fields a resumed run may change: where and how it runs, not what it learns.
@@ -39,7 +40,7 @@ MAY_CHANGE = (
 _PROCESS_DEATHS = (
     "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
     "OwnerDiedError", "ObjectLostError", "ObjectReconstructionFailedError", "ActorPlacementGroupRemoved",
-    # the weight plane (operators/weight_plane.py): an engine died mid-transfer, or stopped receiving
+    # the weight plane (operators/weights/gloo_plane.py): an engine died mid-transfer, or stopped receiving
     "WeightTransferError",
 )
 # What a surviving trainer rank's collective raises when a peer rank's process is gone (torch.distributed's

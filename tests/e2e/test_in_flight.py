@@ -327,7 +327,7 @@ def test_generate_actor_killed_while_paused_for_an_update_then_driver_killed_and
 @pytest.mark.slow
 def test_generate_actor_killed_mid_weight_transfer_ends_the_attempt_and_every_group_is_trained_once(
         tmp_path, untrained_model):
-    """The weight plane (operators/weight_plane.py): the generate actor is SIGKILLed while its engine's
+    """The weight plane (operators/weights/gloo_plane.py): the generate actor is SIGKILLed while its engine's
     receiver holds the first version's layout and not yet its buckets. The trainer's sender fails naming
     the engine, the attempt ends (nothing hangs), the job restarts from its last checkpoint and finishes;
     the ledger has every group once and the staleness bound held."""

@@ -18,7 +18,7 @@ from operators.eval_metrics import pass_at_k, pass_at_ks, summarize, summarize_g
 from operators.train import LEDGER_COLUMNS
 from pipelines.recovery.checkpoint import CheckpointDir, dataset_digest
 from pipelines.cli import main
-from pipelines.config.schema import ConfigError
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 from pipelines.recovery.resume import run_file_info
 from pipelines.data.tiny import make_arithmetic_dataset, split_problems
@@ -144,20 +144,20 @@ def test_policy_store_keeps_retained_versions_until_released(ray_cluster):
     try:
         refs = {v: ray_cluster.put({"w": np.full(2, float(v))}) for v in (1, 2, 3, 4)}
         for version, ref in refs.items():
-            ray_cluster.get(store.publish.remote(version, [ref]))
-        (one,) = ray_cluster.get(store.get_weights_of.remote(1))
+            store.publish(version, ref)
+        one = store.weights_of(1)
         assert ray_cluster.get(one)["w"][0] == 1.0  # replaced three times, still there
-        (four,) = ray_cluster.get(store.get_weights_of.remote(4))
+        four = store.weights_of(4)
         assert ray_cluster.get(four)["w"][0] == 4.0  # the latest needs no retaining
         with pytest.raises(Exception, match="not retained"):
-            ray_cluster.get(store.get_weights_of.remote(2))
-        ray_cluster.get(store.release.remote(1))
+            store.weights_of(2)
+        store.release(1)
         with pytest.raises(Exception, match="not retained"):
-            ray_cluster.get(store.get_weights_of.remote(1))
+            store.weights_of(1)
         with pytest.raises(Exception):  # a version not published yet is waited for (here: past the timeout)
-            ray_cluster.get(store.get_weights_of.remote(5, 0.2))
+            store.weights_of(5, 0.2)
     finally:
-        ray_cluster.kill(store)
+        store.kill()
 
 
 # --- `streamrl eval`: bad input, refused before anything starts --------------------------------

@@ -94,11 +94,11 @@ def test_admission_gate_pulls_newer_weights(ray_cluster, tiny_model_path):
             next(generate(row))
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, local_files_only=True)
         new_weights = {k: (v * 0.5).numpy() for k, v in model.state_dict().items()}
-        ray_cluster.get(store.publish.remote(1, [ray_cluster.put(new_weights)]))
+        store.publish(1, ray_cluster.put(new_weights))
         out = next(generate(row))
         assert out["policy_version"].tolist() == [1]
         loaded = generate.engine.model.state_dict()
         for name, array in new_weights.items():
             np.testing.assert_array_equal(loaded[name].numpy(), array)
     finally:
-        ray_cluster.kill(store)
+        store.kill()

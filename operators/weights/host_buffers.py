@@ -1,4 +1,4 @@
-"""Host buffers for weight buckets, reused from one publish to the next (operators/weights.py packs into
+"""Host buffers for weight buckets, reused from one publish to the next (operators/weights/buckets.py packs into
 them on the trainer's rank 0)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class BucketBuffers:
 
     Why: a fresh host buffer pays a page fault per page on first touch. Packing SmolLM2-135M's 651 MB
     (fp32) into fresh buffers took 0.72 s on the 2-core CPU machine, into reused ones 0.067 s, and the
-    trainer ranks wait for the pack (benchmarks/README.md, `weight_update.py`). Rank 0 holds about two
+    trainer ranks wait for the pack (benchmarks/studies/weight_update.md). Rank 0 holds about two
     versions' buffers: the one the sender keeps for engines that join, and the one being packed.
 
     Whether a buffer is still in use is read from a weak reference to the numpy array made from it:

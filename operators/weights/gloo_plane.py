@@ -1,17 +1,17 @@
-"""The weight plane: a trainer's weights pushed to every vLLM engine over a collective, no files, no object store.
+"""The gloo plane: a trainer's weights pushed to every vLLM engine over a collective, no files, no object store.
 
 vLLM 0.32's weight-transfer API is the engine side: `AsyncLLM.init_weight_transfer_engine`, then per update
 `start_weight_update` / `update_weights` / `finish_weight_update(weight_version)`, each run by a
 `WeightTransferEngine` in every vLLM worker. The backend is chosen by `rollout.weight_transfer`:
 
-* `gloo` (CPUs, CI): our engine, `operators/engines/gloo_transfer.py`, registered through vLLM's
+* `gloo` (CPUs, CI): our engine, `operators/weights/vllm_gloo.py`, registered through vLLM's
   `WeightTransferEngineFactory`. The bytes travel over torch.distributed gloo.
 * `nccl` / `ipc` (GPUs): vLLM's own engines, selected by the same config; not run here (no GPU).
 
-One update, as this module's `WeightSender` drives it on the trainer's rank 0:
+One update, as this module's `GlooSender` drives it on the trainer's rank 0:
 
 1. The trainer ranks gather the weights module by module into host buckets in the training dtype
-   (operators/weights.py `pack_buckets`; ZeRO-3 gathers are collectives, so every rank takes part).
+   (operators/weights/buckets.py `pack_buckets`; ZeRO-3 gathers are collectives, so every rank takes part).
    That is all the trainer ranks wait for: `send` hands the buckets to the sender's thread and returns.
 2. The sender's thread broadcasts them to every registered engine at once: one gloo group per engine
    (trainer rank 0 and that engine's workers), all groups' broadcasts posted before any is awaited.
@@ -20,10 +20,7 @@ One update, as this module's `WeightSender` drives it on the trainer's rank 0:
    (`delivered`). The engine's rollout loop, waiting for it, pauses decoding only to apply the staged
    weights (start / update / finish), confirms the version and resumes.
 
-Wire format, per version and group: an int64 header `[version, layout bytes]`, the layout as UTF-8 JSON
-(the buckets' dtypes, names, shapes and byte sizes, and the tensors' sha256 digests when the update is
-verified), then each bucket's bytes. Every wait past the header has `timeout_s` and names what it
-waited for.
+The wire format is operators/weights/gloo_wire.py's.
 
 Engines join at any time (a restart, an autoscaled actor): each one registers its rendezvous endpoint
 with the policy store; the sender connects it before the next update and, when idle, at once, and sends
@@ -32,143 +29,28 @@ it the latest version, which it keeps (host memory, one copy: what the object st
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from datetime import timedelta
+import uuid
 from typing import Any, Iterable
 
-import numpy as np
-
-from operators.weights import DTYPES, WeightBucket
+from operators.weights.buckets import WeightBucket
+from operators.weights.checksums import digests_of
+from operators.weights.gloo_wire import Endpoint, bucket_bytes, encode_layout, layout_of, open_group, post_version
+from operators.weights.object_store import put_manifest
+from operators.weights.plane import Incoming, WeightTransferError
 
 logger = logging.getLogger(__name__)
 
-WIRE_PREFIX = "streamrl-weights"
-IDLE_WAIT_S = 7 * 24 * 3600  # an engine waiting for the next version waits as long as the job runs
 POLL_S = 0.5  # how often an idle sender looks for engines that joined
 
 
-class WeightTransferError(RuntimeError):
-    """A weight transfer failed or timed out; the message names the engine and what was waited for."""
+class GlooSender:
+    """Trainer rank 0's side of the gloo plane (see the module docstring; operators/weights/plane.py's
+    WeightSender).
 
-
-class WeightMismatch(RuntimeError):
-    """An engine holds weights other than the trainer's (checksums differ)."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where an engine's rendezvous store listens, and how many of its workers receive."""
-
-    engine_id: str
-    host: str
-    port: int
-    workers: int = 1  # vLLM workers of the engine (tensor parallel size); each receives the whole version
-
-    @property
-    def world_size(self) -> int:
-        return 1 + self.workers  # the trainer's sender is rank 0
-
-
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
-    """A gloo group of its own (not torch's default group, which DeepSpeed and vLLM own), rendezvous at the
-    engine's store. Blocks until every member joined or `timeout_s` passed."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return ProcessGroupGloo(PrefixStore(WIRE_PREFIX, store), rank, world_size, timedelta(seconds=timeout_s))
-
-
-def post_broadcast(group, tensor, timeout_s: float):
-    """Start a broadcast from rank 0 of `group`; the Work to wait on."""
-    from torch.distributed import BroadcastOptions
-
-    options = BroadcastOptions()
-    options.rootRank, options.rootTensor = 0, 0
-    options.timeout = timedelta(seconds=timeout_s)
-    return group.broadcast([tensor], options)
-
-
-def bucket_bytes(bucket: WeightBucket):
-    """The bucket's buffer as a flat uint8 torch tensor sharing its memory."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(bucket.data).view(np.uint8))
-
-
-def digests_of(buckets: Iterable[WeightBucket]) -> dict[str, str]:
-    """name -> sha256 of the tensor's bytes as they travel (the training dtype)."""
-    return {name: hashlib.sha256(np.ascontiguousarray(array).view(np.uint8)).hexdigest()
-            for bucket in buckets for name, array in bucket.arrays()}
-
-
-def layout_of(version: int, buckets: list[WeightBucket], digests: dict[str, str] | None) -> dict:
-    return {
-        "version": version,
-        "buckets": [{"dtype": b.dtype, "names": b.names, "shapes": [list(s) for s in b.shapes], "nbytes": b.nbytes}
-                    for b in buckets],
-        "digests": digests,
-    }
-
-
-def encode_layout(layout: dict):
-    """(header int64[2], layout uint8[n]) as torch tensors."""
-    import torch
-
-    raw = json.dumps(layout, separators=(",", ":")).encode()
-    header = torch.tensor([int(layout["version"]), len(raw)], dtype=torch.int64)
-    return header, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def post_version(group, header, layout, payload: list, timeout_s: float) -> list:
-    """Start sending one version on `group` (rank 0): its header, layout and buckets. The Works, in order."""
-    return ([post_broadcast(group, header, timeout_s), post_broadcast(group, layout, timeout_s)]
-            + [post_broadcast(group, tensor, timeout_s) for tensor in payload])
-
-
-def receive_version(group, timeout_s: float, idle_s: float = IDLE_WAIT_S, on_layout=None, buffers=None):
-    """Receive one version on `group` (a receiving rank): (version, layout, buckets). Waits up to `idle_s` for
-    the header (the next version may be a train step away) and `timeout_s` for each part after it.
-    `on_layout(version)`: called between the layout and the buckets (a fault point). `buffers`: an
-    operators.host_buffers.BucketBuffers the buckets are received into, reused once a version is dropped
-    (fresh host memory pays a page fault per page on first touch)."""
-    import torch
-
-    header = torch.zeros(2, dtype=torch.int64)
-    post_broadcast(group, header, idle_s).wait()
-    version, size = int(header[0]), int(header[1])
-    raw = torch.zeros(size, dtype=torch.uint8)
-    post_broadcast(group, raw, timeout_s).wait()
-    layout = json.loads(raw.numpy().tobytes())
-    if on_layout is not None:
-        on_layout(version)
-    buckets = []
-    for spec in layout["buckets"]:
-        nbytes = int(spec["nbytes"])
-        slot = None if buffers is None else buffers.take(torch.uint8, nbytes)
-        data = torch.empty(nbytes, dtype=torch.uint8) if slot is None else slot.buffer[:nbytes]
-        try:
-            post_broadcast(group, data, timeout_s).wait()
-        except BaseException:
-            if slot is not None:  # the buffer holds part of a version nobody will read
-                slot.release()
-            raise
-        root = data.numpy()  # every view of the bucket keeps this array alive (host_buffers.py)
-        if slot is not None:
-            slot.hand_out(root)
-        buckets.append(WeightBucket(spec["dtype"], list(spec["names"]), [tuple(s) for s in spec["shapes"]],
-                                    root.view(DTYPES[spec["dtype"]][1])))
-    return version, layout, buckets
-
-
-class WeightSender:
-    """Trainer rank 0's side of the weight plane (see the module docstring).
-
-    `store`: the policy store's actor handle (engines register there; deliveries are recorded there).
+    `store`: a PolicyStoreClient (engines register there; deliveries are recorded there).
     `verify_every`: digests travel with the first update and every n-th after it (0: only the first),
     with any update after `verify_next()`, and with each engine's first delivery (a restarted one too). `timeout_s`: the most any transfer wait may take."""
 
@@ -193,9 +75,18 @@ class WeightSender:
         self._verify_requested = True
 
     def send(self, version: int, buckets: Iterable[WeightBucket]) -> float:
-        """Hand `version`'s buckets to the sender's thread and return once the previous version is out (the
-        seconds waited for it: 0 when the broadcast kept up). Raises the previous transfer's failure.
+        """Hand `version`'s buckets to the sender's thread once the previous version is out, then publish the
+        version in the store (in the object store too when an evaluator will read it); the seconds waited
+        for the previous version (0 when the broadcast kept up). Raises the previous transfer's failure.
         Checksums, when this version carries them, are computed on the sender's thread, not here."""
+        buckets = list(buckets)
+        waited = self.hand_over(version, buckets)
+        self.store.publish(version, put_manifest(buckets) if self.store.wants_weights(version) else None)
+        return waited
+
+    def hand_over(self, version: int, buckets: Iterable[WeightBucket]) -> float:
+        """Hand `version`'s buckets to the sender's thread once the previous version is out; the seconds
+        waited. Publishes nothing (tests drive the wire alone with it)."""
         buckets = list(buckets)
         verify = self._sent == 0 or self._verify_requested or (self.verify_every and self._sent % self.verify_every == 0)
         self._verify_requested = False
@@ -255,9 +146,7 @@ class WeightSender:
                 with self._cond:
                     self._failure = err
                 try:
-                    import ray
-
-                    ray.get(self.store.fail_plane.remote(f"{type(err).__name__}: {err}"), timeout=30)
+                    self.store.fail_plane(f"{type(err).__name__}: {err}")
                 except Exception:  # the store went with the job: nobody is waiting
                     pass
                 return
@@ -268,9 +157,7 @@ class WeightSender:
 
     def _connect_new(self) -> list[str]:
         """Open a group with every engine registered since the last look; their ids."""
-        import ray
-
-        endpoints = ray.get(self.store.engines.remote(), timeout=self.timeout_s)
+        endpoints = self.store.engines(timeout_s=self.timeout_s)
         joined = []
         for engine_id, fields in endpoints.items():
             if engine_id in self._groups:
@@ -293,8 +180,6 @@ class WeightSender:
         """Broadcast one version to the given engines' groups at once, then record each delivery. The
         version's checksums go to the engines that need them: all of them on a verified version, and any
         engine's first delivery (a new or restarted engine is always checked once)."""
-        import ray
-
         version, buckets, flags = job
         engine_ids = list(dict.fromkeys(engine_ids))
         if not engine_ids:
@@ -322,7 +207,7 @@ class WeightSender:
         if failed:
             # An engine that closed (its generate actor's data ran out) leaves the plane before it shuts down, but a
             # version may already be on its way: the broadcast then fails, and is no fault. One still registered died.
-            registered = ray.get(self.store.engines.remote(), timeout=self.timeout_s)
+            registered = self.store.engines(timeout_s=self.timeout_s)
             for engine_id, (what, err) in failed.items():
                 if engine_id in registered:
                     raise WeightTransferError(
@@ -336,7 +221,34 @@ class WeightSender:
         seconds = time.perf_counter() - start
         self._verified.update(checked)
         for engine_id in engine_ids:
-            ray.get(self.store.delivered.remote(engine_id, version, engine_id in checked), timeout=self.timeout_s)
+            self.store.delivered(engine_id, version, engine_id in checked, timeout_s=self.timeout_s)
         self.records.append({"version": version, "engines": len(engine_ids), "bytes": sum(b.nbytes for b in buckets),
                              "broadcast_s": seconds, "verified": len(checked)})
         del self.records[:-1000]
+
+
+class GlooReceiver:
+    """An engine's side of the gloo plane (operators/weights/plane.py's WeightReceiver): the engine's workers
+    receive each version as it is broadcast (operators/weights/vllm_gloo.py); this learns from the store
+    that they hold it, and the engine applies it (`Incoming.staged`)."""
+
+    def __init__(self, store, engine):
+        self.store, self.engine = store, engine  # a PolicyStoreClient; an engine with `join_weight_plane`
+        self.engine_id: str | None = None
+
+    async def join_async(self, name: str, faults) -> None:
+        """Open the engine's rendezvous, start its workers' receivers and register it: the trainer's sender
+        connects and sends it the latest version."""
+        engine_id = f"{name}:{uuid.uuid4().hex[:8]}"
+        endpoint = await self.engine.join_weight_plane(engine_id, faults)
+        await self.store.register_engine_async(engine_id, endpoint)
+        self.engine_id = engine_id
+
+    async def next_async(self, after: int, timeout_s: float) -> Incoming | None:
+        version = await self.store.wait_delivered_async(self.engine_id, after + 1, timeout_s)
+        return None if version is None else Incoming(int(version))
+
+    async def leave_async(self) -> None:
+        """Leave the plane first, so the trainer's sender stops sending here."""
+        if self.engine_id is not None:
+            await self.store.unregister_engine_async(self.engine_id)

@@ -1,4 +1,5 @@
-"""vLLM's weight-transfer engine over torch.distributed gloo: the receiving side of operators/weight_plane.py.
+"""vLLM's weight-transfer engine over torch.distributed gloo: the engine workers' side of the gloo plane
+(operators/weights/gloo_plane.py), run inside vLLM's worker processes.
 
 Registered as backend `streamrl_gloo` through vLLM's `WeightTransferEngineFactory` when this module is
 imported, which every vLLM worker does: it is the module of our `worker_extension_cls`
@@ -21,23 +22,21 @@ worker extension) says what was checked.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from operators.faults import FaultPoints
-from operators.host_buffers import BucketBuffers
-from operators.weight_plane import open_group, receive_version
-from operators.weights import WeightBucket, WeightSet
+from operators.weights.buckets import WeightBucket, WeightSet
+from operators.weights.checksums import applied_mismatches, transport_mismatches
+from operators.weights.gloo_wire import open_group, receive_version
+from operators.weights.host_buffers import BucketBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -163,42 +162,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 with self._cond:
                     self._received_failure = err
                     self._cond.notify_all()
-
-
-
-def transport_mismatches(buckets: list[WeightBucket], digests: dict[str, str]) -> list[str]:
-    """Names whose received bytes differ from the trainer's digest (or that did not arrive)."""
-    got = {name: hashlib.sha256(np.ascontiguousarray(array).view(np.uint8)).hexdigest()
-           for bucket in buckets for name, array in bucket.arrays()}
-    return [f"{name} (received)" for name, digest in digests.items() if got.get(name) != digest]
-
-
-def applied_mismatches(model, digests: dict[str, str], dtypes: dict[str, str],
-                       shapes: dict[str, tuple] | None = None) -> tuple[int, list[str]]:
-    """Compare the model's tensors that vLLM keeps as the trainer sent them with the trainer's digests, each
-    cast to the dtype it travelled in: every 1-D parameter (norms, biases) and the embedding and head
-    tables when their shape is the trainer's (vLLM pads a vocabulary to a multiple of 64). Linear weights
-    are not compared: vLLM fuses q/k/v and gate/up, and its CPU backend repacks every linear weight for
-    its kernels. (checked count, mismatching names)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    tables = {f"{prefix}.weight" if prefix else "weight" for prefix, module in model.named_modules()
-              if isinstance(module, VocabParallelEmbedding)}
-    checked, bad = 0, []
-    for name, param in model.named_parameters():
-        digest = digests.get(name)
-        if digest is None or name not in dtypes or not (param.dim() == 1 or name in tables):
-            continue
-        if shapes is not None and tuple(param.shape) != tuple(shapes.get(name, ())):
-            continue
-        tensor = param.detach().to("cpu", dtype=getattr(torch, dtypes[name])).contiguous()
-        if dtypes[name] == "bfloat16":
-            tensor = tensor.view(torch.int16)
-        checked += 1
-        if hashlib.sha256(tensor.numpy().view(np.uint8)).hexdigest() != digest:
-            bad.append(f"{name} (applied)")
-    return checked, bad
-
 
 class QuietRotaryReload(logging.Filter):
     """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update: the rotary

@@ -1,24 +1,11 @@
-"""The weight channel: a trainer's weights, in its training dtype, in buckets, on their way to the engines.
+"""A trainer's weights, in its training dtype, in buckets: what every weight plane carries.
 
 A publish walks the model one module at a time (`named_weights`): under ZeRO-3 each module's own
 parameters are gathered, copied into the current bucket and released before the next module is
 gathered, so no rank ever holds more than one module's full weights on its device. A bucket is one
-flat host buffer of at most `bucket_mb` (one dtype: bf16 stays bf16, two bytes a weight), which the
-transport sends as soon as it is full.
-
-Transports. `ObjectStoreTransport` is the one built and tested here: each bucket is one object in
-Ray's object store (a zero-copy read on the engine's node), and what the policy store holds for a
-version is a small `WeightManifest` naming the buckets. The interface is what the other transports
-need too:
-
-* `send(buckets) -> manifest` on the trainer's rank 0, `receive(manifest) -> WeightSet` on an engine.
-* NCCL broadcast (disaggregated trainer and engines): the manifest carries the bucket layout
-  (names, shapes, dtype, sizes) and a collective group name; `send` broadcasts each bucket from
-  rank 0's device into a buffer of the same layout on every engine worker; the engine side loads
-  straight from that device buffer (`WeightSet.tensors()` is what the engines consume).
-* CUDA IPC (trainer and engine on one GPU): the manifest carries one IPC handle per bucket
-  (`torch.multiprocessing.reductions.reduce_tensor`), `receive` opens them; the bucket never
-  leaves the device.
+flat host buffer of at most `bucket_mb` (one dtype: bf16 stays bf16, two bytes a weight), filled into
+reused host buffers (operators/weights/host_buffers.py) and handed to the plane's sender as soon as it
+is full (operators/weights/plane.py: the planes; operators/weights/object_store.py and gloo_plane.py).
 
 The engines take a `WeightSet` or, for plain loops and tests, a mapping of names to arrays
 (`as_weight_set`). vLLM reads a safetensors file (operators/engines/vllm.py); `WeightSet.write_safetensors`
@@ -30,13 +17,13 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from operators.host_buffers import BucketBuffers
+    from operators.weights.host_buffers import BucketBuffers
 
 DEFAULT_BUCKET_MB = 256
 
@@ -290,75 +277,3 @@ def non_finite(bucket: WeightBucket) -> list[str]:
     if bucket.dtype == "bfloat16":  # exponent bits all ones: inf or NaN
         return [name for name, array in bucket.arrays() if ((array & 0x7F80) == 0x7F80).any()]
     return [name for name, array in bucket.arrays() if not np.isfinite(array).all()]
-
-
-# --- transports ----------------------------------------------------------------------------------
-
-
-@dataclass
-class WeightManifest:
-    """What the policy store holds for a version: where its buckets are and what they hold."""
-
-    transport: str
-    dtype: str
-    nbytes: int
-    tensors: int
-    handles: list = field(default_factory=list)  # ObjectStoreTransport: one ObjectRef per bucket
-
-
-class ObjectStoreTransport:
-    """Buckets as objects in Ray's object store (rank 0 puts each as it is filled; an engine reads them
-    zero-copy from its node's store)."""
-
-    name = "object_store"
-
-    def send(self, buckets: Iterable[WeightBucket], check_finite: bool = True) -> tuple[WeightManifest, list[str]]:
-        """Put every bucket; the manifest and the names of non-finite tensors (nothing is published
-        when there are any: the caller drops the manifest and its buckets go with it)."""
-        import ray
-
-        refs, bad, nbytes, count, dtypes = [], [], 0, 0, set()
-        for bucket in buckets:
-            if check_finite:
-                bad += non_finite(bucket)
-            refs.append(ray.put(bucket))
-            nbytes += bucket.nbytes
-            count += len(bucket.names)
-            dtypes.add(bucket.dtype)
-        return WeightManifest(self.name, "+".join(sorted(dtypes)), nbytes, count, refs), bad
-
-    @staticmethod
-    def receive(manifest: WeightManifest) -> WeightSet:
-        import ray
-
-        return WeightSet(ray.get(list(manifest.handles)))
-
-    @staticmethod
-    async def receive_async(manifest: WeightManifest) -> WeightSet:
-        import asyncio
-
-        return WeightSet(await asyncio.gather(*manifest.handles))
-
-
-TRANSPORTS = {ObjectStoreTransport.name: ObjectStoreTransport}
-
-
-def received(published: Any) -> Any:
-    """What a policy store's reference resolved to, ready for an engine: a manifest's WeightSet, or a
-    mapping published as is (the simulated trainer's {"version": v}, older records)."""
-    if isinstance(published, WeightManifest):
-        return TRANSPORTS[published.transport].receive(published)
-    return published
-
-
-async def received_async(published: Any) -> Any:
-    if isinstance(published, WeightManifest):
-        return await TRANSPORTS[published.transport].receive_async(published)
-    return published
-
-
-def fetch(ref) -> Any:
-    """ray.get a policy store's weights reference and receive what it names (see `received`)."""
-    import ray
-
-    return received(ray.get(ref))
