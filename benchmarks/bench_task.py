@@ -1,4 +1,4 @@
-"""Reward of the throughput benchmark (importable as 'bench_task:digit_fraction' by scripts in benchmarks/).
+"""Reward of the throughput benchmark (`benchmarks.bench_task:digit_fraction` in benchmarks/throughput.yaml).
 
 The benchmark's policy is an untrained Llama: its responses are random characters of
 long-tailed length. This reward (the share of digits in a response) varies within every

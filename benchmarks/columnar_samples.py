@@ -30,7 +30,6 @@ import io
 import json
 import pickle
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -38,18 +37,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
-
-from operators.algorithms.batching import (  # noqa: E402
+from operators.algorithms.batching import (
     TOKEN_COLUMNS,
     TokenBatch,
     balanced_shards,
     packed_inputs,
     token_batch,
 )
-from operators.algorithms.step_batch import explode, micro_batch_chunks, shard, subset  # noqa: E402
-from operators.tables import ROLLOUT_COLUMNS, rollouts_table  # noqa: E402
+from operators.algorithms.step_batch import explode, micro_batch_chunks, shard, subset
+from operators.tables import ROLLOUT_COLUMNS, rollouts_table
 
 STAGES = ("explode", "shard", "pickle", "token_batch", "rollouts")
 

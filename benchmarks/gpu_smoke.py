@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_weight_path import LoopbackPlane, synchronize, weight_path
+
 
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
@@ -46,44 +45,6 @@ QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, nu
                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
                 tie_word_embeddings=False, rope_theta=1e6)
 H100_H200_BF16_FLOPS = 989e12  # dense bf16 peak of one H100/H200 SXM, for MFU
-
-
-class LoopbackPlane:
-    """The weight plane's wire in one process: a gloo group of two (this thread sends as the trainer's rank 0,
-    a thread receives as an engine would, operators/engines/gloo_transfer.py) over a local TCP store."""
-
-    def __init__(self, timeout_s: float = 300.0):
-        import threading
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        from operators.weight_plane import open_group
-
-        self.timeout_s = timeout_s
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-        joined = {}
-        peer = threading.Thread(target=lambda: joined.setdefault("group", open_group(
-            "127.0.0.1", self.store.port, 1, 2, timeout_s)))
-        peer.start()
-        self.group = open_group("127.0.0.1", self.store.port, 0, 2, timeout_s)
-        peer.join()
-        self.peer = joined["group"]
-        self.receive_buffers = None  # an operators.host_buffers.BucketBuffers the receiving side reuses, as engines do
-
-    def send(self, version: int, buckets: list) -> list:
-        """Broadcast `buckets` and return what the receiving side got."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from operators.weight_plane import bucket_bytes, encode_layout, layout_of, post_version, receive_version
-
-        with ThreadPoolExecutor(1) as pool:
-            got = pool.submit(receive_version, self.peer, self.timeout_s, self.timeout_s, None, self.receive_buffers)
-            header, layout = encode_layout(layout_of(version, buckets, None))
-            for work in post_version(self.group, header, layout, [bucket_bytes(b) for b in buckets], self.timeout_s):
-                work.wait()
-            _, _, received = got.result(self.timeout_s)
-        return received
 
 
 def build(folder: Path, shape: dict) -> Path:
@@ -100,13 +61,6 @@ def build(folder: Path, shape: dict) -> Path:
     config = Qwen2Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     return folder
-
-
-def synchronize() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def differing(engine_model, trainer) -> int:
@@ -216,66 +170,6 @@ def packing_check(trainer, samples: dict) -> dict:
     return out
 
 
-def weight_path(shape: dict, plane: LoopbackPlane, rounds: int) -> dict:
-    """Pack, broadcast and load one model's weights (bf16, no trainer) with pageable and pinned host buffers."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from operators.host_buffers import BucketBuffers
-    from operators.weights import DEFAULT_BUCKET_MB, WeightSet, named_weights, pack_buckets
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    config = Qwen2Config(**shape)
-    start = time.perf_counter()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device), torch.no_grad():
-            source = Qwen2ForCausalLM(config).eval()
-            target = Qwen2ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    synchronize()
-    nbytes = sum(t.numel() * t.element_size() for t in source.state_dict().values())
-    report = {"model": shape, "bytes": nbytes, "bucket_mb": DEFAULT_BUCKET_MB,
-              "build_s": time.perf_counter() - start, "rounds": []}
-    print(f"weight path: {nbytes / 2**30:.2f} GiB in bf16 on {device}, built in {report['build_s']:.1f} s", flush=True)
-    version = 100
-    for pin in ((False, True) if cuda else (False,)):
-        buffers = BucketBuffers(pin_memory=pin)
-        plane.receive_buffers = BucketBuffers(pin_memory=pin)
-        for round_ in range(rounds):
-            version += 1
-            with torch.no_grad():  # so that equal_to_source says this round's load wrote every tensor
-                for tensor in target.state_dict().values():
-                    tensor.zero_()
-            synchronize()
-            start = time.perf_counter()
-            buckets = list(pack_buckets(named_weights(source), DEFAULT_BUCKET_MB, buffers=buffers))
-            packed = time.perf_counter()
-            received = plane.send(version, buckets)
-            sent = time.perf_counter()
-            with torch.no_grad():
-                target.load_state_dict(WeightSet(received).state_dict(), strict=True)
-            synchronize()
-            loaded = time.perf_counter()
-            same = all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
-            parts = {"pack_s": packed - start, "broadcast_s": sent - packed, "apply_s": loaded - sent}
-            row = {"pinned": pin, "round": round_, "total_s": loaded - start, **parts,
-                   **{k.replace("_s", "_gb_per_s"): nbytes / v / 1e9 for k, v in parts.items()},
-                   "equal_to_source": same}
-            report["rounds"].append(row)
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-            del buckets, received
-        plane.receive_buffers = None
-        del buffers
-    del source, target
-    if cuda:
-        torch.cuda.empty_cache()
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model (checks the path on a CPU)")
@@ -300,7 +194,7 @@ def main() -> None:
     from operators.workers.deepspeed_setup import free_port  # Ray-free, as this machine needs
     from operators.workers.settings import LrSchedule, TrainerSettings
     from operators.workers.train_worker import TrainWorker
-    from operators.weights import WeightSet
+    from operators.weights.buckets import WeightSet
 
     cuda = torch.cuda.is_available()
     shape = TINY if args.tiny else QWEN2_05B
@@ -343,7 +237,7 @@ def main() -> None:
         train_s = time.perf_counter() - start
         changed = differing(engine.model, trainer)  # what the step changed (a check, not timed)
         start = time.perf_counter()
-        # the weight plane's wire (operators/weight_plane.py), as far as this machine allows (no Ray, no vLLM):
+        # the weight plane's wire (operators/weights/gloo_plane.py), as far as this machine allows (no Ray, no vLLM):
         # rank 0's buckets in the training dtype (bf16, device to host), broadcast over a gloo group to a
         # receiving thread, then loaded into the HF engine (host to device)
         buckets = list(trainer.weight_buckets())

@@ -29,7 +29,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT)] if str(ROOT) not in sys.path else []
 RESULTS = HERE / "results"
 
 LOSSES = {

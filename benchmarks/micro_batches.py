@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
 
 
 def main() -> None:
@@ -42,7 +41,7 @@ def main() -> None:
     from pipelines.config.load import load_config
     from operators.workers.deepspeed_setup import free_port
     from pipelines.runtime.trainer_settings import trainer_settings
-    from throughput import build_bench_model
+    from benchmarks.throughput import build_bench_model
 
     path, params = build_bench_model("medium")
     rng = np.random.default_rng(0)

@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
 
 
 def workload(cfg, path: str, groups: int, median: float, seed: int = 0) -> dict:
@@ -75,7 +74,7 @@ def main() -> None:
     from operators.workers.deepspeed_setup import free_port
     from operators.workers.train_worker import TrainWorker
     from pipelines.config.load import load_config
-    from pipelines.config.schema import ReferenceConfig
+    from pipelines.config.model import ReferenceConfig
     from pipelines.data.models import resolve_model_path
     from pipelines.runtime.trainer_settings import trainer_settings
 

@@ -70,16 +70,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.sim_engine import CostModel
+from benchmarks.sim_cost import CostModel
 from benchmarks.sim_terms import layout_terms, train_step_s
 from benchmarks.sim_tiers import best_tiered, one_batch_policies, tier_policies, tiers
 
@@ -165,7 +161,7 @@ def best_bound(work: StepWork, cost: CostModel, gpus: int, staleness: int) -> Bo
 # --- the recorded runs ---------------------------------------------------------------------
 
 def timed_steps(step_lengths: list[np.ndarray]) -> list[np.ndarray]:
-    """The steps simulate_cluster.summarize times (the end of step 2 to the end of the last; 1-based)."""
+    """The steps sim_runs.summarize times (the end of step 2 to the end of the last; 1-based)."""
     return step_lengths[2:]
 
 
@@ -195,7 +191,7 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
     best_by_case = {}  # (gpus, staleness) -> the age-batched estimate, and with one batch
     for record in result["records"]:
         gpus, staleness = record["gpus"], record["max_staleness"]
-        # the run's steady state where it has one (simulate_cluster.summarize), else its whole window
+        # the run's steady state where it has one (sim_runs.summarize), else its whole window
         measured = record.get("steady_sim_seconds_per_step") or record["sim_seconds_per_step"]
         sync = next((r for r in result["records"] if r["gpus"] == gpus and r["run"] == "a"), None)
         best = best_bound(work, cost, gpus, staleness)
@@ -238,7 +234,7 @@ def add_bounds(result: dict, step_lengths: list[np.ndarray]) -> list[dict]:
 
 
 def print_table(records: list[dict], echo=print) -> None:
-    # sim s/step: the run's steady state where it has one (simulate_cluster.summarize), else its whole window
+    # sim s/step: the run's steady state where it has one (sim_runs.summarize), else its whole window
     echo(f"{'GPUs':>5} {'run':<4}{'staleness':>10}{'simulated':>10}{'bound':>8}{'ratio':>7}   "
          f"{'sim s/step':>10}{'bound s/step':>13}  bound layout (limit)          "
          f"{'at this layout':>15}{'ratio':>7}   {'age-batched':>11}{'ratio':>7}  layout")
@@ -260,7 +256,7 @@ def main() -> None:
     parser.add_argument("files", nargs="*", default=[str(RESULTS / name) for name in RESULT_FILES],
                         help="simulate_cluster results to add the bound to (rewritten in place)")
     args = parser.parse_args()
-    from simulate_cluster import scheduled_lengths  # the workload as the runs drew it
+    from benchmarks.sim_layout import scheduled_lengths  # the workload as the runs drew it
 
     for name in args.files:
         path = Path(name)

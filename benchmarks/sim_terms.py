@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.sim_engine import CostModel
+from benchmarks.sim_cost import CostModel
 
 
 def train_step_s(cost: CostModel, trained_tokens: float, train_gpus: int) -> float:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.sim_engine import CostModel
+from benchmarks.sim_cost import CostModel
 from benchmarks.sim_terms import layout_terms, train_step_s
 
 GRID = 11  # points per hull edge at which the step is taken (its ends included)

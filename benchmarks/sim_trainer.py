@@ -4,7 +4,7 @@ Used by `benchmarks/simulate_cluster.py` in place of the DeepSpeed ranks: the `T
 operator calls `train_step(samples, global_tokens, global_sequences)` on every rank as it
 does on real ones; each rank sleeps for the step's modelled cost (data-parallel ranks run
 in parallel, so every rank sleeps the whole step), and rank 0 then publishes version + 1
-to the policy store exactly as `TrainWorker._publish` does (a tiny weights dict through
+to the policy store exactly as the trainer's `Publisher` does (a tiny weights dict through
 the object store), which is what opens the admission gate for later steps.
 
 Cost of one step in simulated seconds, divided by `time_scale` to sleep:
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from benchmarks.sim_engine import CostModel
+from benchmarks.sim_cost import CostModel
 
 
 class SimTrainWorker:
@@ -30,7 +30,7 @@ class SimTrainWorker:
 
         self.rank, self.world_size = rank, world_size
         self.cost = CostModel.load(cost_model_path)
-        self.store = policy_store if rank == 0 else None  # the store actor's handle
+        self.store = policy_store if rank == 0 else None  # a PolicyStoreClient (operators/weights/store.py)
         self.version = 0
 
     def ready(self) -> dict:
@@ -63,7 +63,7 @@ class SimTrainWorker:
 
         start = time.perf_counter()
         weights_ref = ray.put({"version": np.array(self.version)})
-        ray.get(self.store.publish.remote(self.version, [weights_ref]))
+        self.store.publish(self.version, weights_ref)
         return time.perf_counter() - start
 
 

@@ -33,12 +33,10 @@ from pathlib import Path
 
 import yaml
 
+from operators.task_answers import ANSWER_FORMATS, extract_answer, reasoning_gym_scores
+from pipelines.data.reasoning_tasks import make_task_dataset
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from operators.task_answers import ANSWER_FORMATS, extract_answer, reasoning_gym_scores  # noqa: E402
-from pipelines.data.reasoning_tasks import make_task_dataset  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results" / "task_base_rates.json"
 
 

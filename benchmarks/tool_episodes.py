@@ -31,7 +31,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT)] if str(ROOT) not in sys.path else []
 RESULTS = HERE / "results"
 CONFIG = ROOT / "configs" / "tiny_tools.yaml"
 MODES = {"drain": False, "partial": True}

@@ -2,11 +2,11 @@
 
     flock /tmp/streamrl-bench.lock python benchmarks/weight_update.py [--sizes medium,large,smollm2] [--repeats 5]
 
-Real parts in one local Ray session: per plane a `PolicyStore` actor, a `TrainWorker` (DeepSpeed, a world
+Real parts in one local Ray session: per plane a policy store (`PolicyStoreClient`), a `TrainWorker` (DeepSpeed, a world
 of one, fp32 as on CPU) and an `AsyncVLLMEngine` under a `RolloutLoop` (dtype float32, partial rollout),
-exactly as a job wires them (operators/workers/state_io.py `_publish`, operators/engines/rollout.py):
+exactly as a job wires them (operators/weights/publisher.py `Publisher.publish`, operators/engines/rollout.py):
 
-* `object_store` (the plane before operators/weight_plane.py): rank 0 packs buckets, puts each in the
+* `object_store` (the plane before operators/weights/gloo_plane.py): rank 0 packs buckets, puts each in the
   object store and publishes the manifest; the engine's watcher pulls the buckets, writes a safetensors
   file, pauses, loads it through the worker extension, resumes.
 * `gloo` (the weight plane): rank 0 packs the buckets and hands them to its sender, whose thread
@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RESULTS = ROOT / "benchmarks" / "results"
 PLANES = ("object_store", "gloo")
@@ -52,23 +50,21 @@ def model_path(size: str, models: Path) -> tuple[Path, int]:
 
         config = AutoConfig.from_pretrained(path)
         return path, 134_515_008 if config.tie_word_embeddings else 0
-    from generate_throughput import build_model
+    from benchmarks.generate_throughput import build_model
 
     return build_model(size, models)
 
 
 def side(path: Path, plane: str, port: int):
     """A (store, trainer rank, rollout loop) wired as a job wires them for `plane`."""
-    import ray
-
     from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop
     from operators.workers.settings import LrSchedule, TrainerSettings
     from operators.workers.train_worker import TrainWorker
-    from pipelines.runtime.policy_store import PolicyStore
+    from operators.weights.store import PolicyStoreClient
 
-    store = PolicyStore.remote(0)
-    ray.get(store.get_version.remote())
+    store = PolicyStoreClient.create(0)
+    store.version()
     settings = TrainerSettings(model_path=str(path), lr=1e-5, torch_threads=1, lr_schedule=LrSchedule(warmup_steps=0),
                                weight_transfer=plane, verify_weights_every=0)
     worker = TrainWorker(0, 1, port, settings, store)
@@ -80,8 +76,6 @@ def side(path: Path, plane: str, port: int):
 
 
 def one_update(store, worker, loop) -> dict:
-    import ray
-
     version = loop.version + 1
     worker.version = version
     start = time.perf_counter()
@@ -90,13 +84,13 @@ def one_update(store, worker, loop) -> dict:
     done = time.perf_counter()
     records = []
     while not records:  # the loop reports its UpdateRecord just after the version changes
-        records = [r for r in ray.get(store.load_log.remote()) if r["version"] == version]
+        records = [r for r in store.load_log() if r["version"] == version]
         time.sleep(0.01 if not records else 0)
     record = records[-1]
     figures = {"trainer_blocked_s": blocked, "update_s": done - start, "pause_s": record["pause_s"],
-               "load_s": record["load_s"], "bytes": worker.last_publish["bytes"]}
-    sender = getattr(worker, "weight_sender", None)
-    if sender is not None and sender.records:
+               "load_s": record["load_s"], "bytes": worker.publisher.last_publish["bytes"]}
+    sender = worker.publisher.sender
+    if getattr(sender, "records", None):  # the gloo plane's sender
         figures["broadcast_s"] = sender.records[-1]["broadcast_s"]
     return figures
 
@@ -157,10 +151,10 @@ def main() -> None:
         records.append(record)
         for store, worker, loop in sides.values():
             loop.close()
-            sender = getattr(worker, "weight_sender", None)
+            sender = worker.publisher.sender
             if sender is not None:
                 sender.close()
-            ray.kill(store)
+            store.kill()
         del sides
     print(f"\n{'model':<8}{'params':>8} {'plane':<13}{'MB':>6}{'blocked':>9}{'update':>8}{'pause':>8}{'apply':>8}")
     for r in records:

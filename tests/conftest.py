@@ -45,8 +45,8 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="module")
 def servers():
-    """Processes started in sessions of their own (tests/mlflow_server.py), all killed at the module's end."""
-    from mlflow_server import Sessions
+    """Processes started in sessions of their own (benchmarks/real_servers.py), all killed at the module's end."""
+    from benchmarks.real_servers import Sessions
 
     # Short path: Ray's unix sockets live under the temp dir and paths must stay < 108 bytes.
     folder = Path(tempfile.mkdtemp(prefix="srl-", dir="/tmp"))

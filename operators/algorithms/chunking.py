@@ -55,7 +55,7 @@ def packed_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     longer than the budget gets a micro-batch of its own. Each micro-batch lists its indices in
     ascending order; the micro-batches come narrowest first, the widest last, as padded chunks do: on a
     CPU rank a step whose widest micro-batch ran first peaked 0.2-0.6 GiB higher (glibc's heap, carved for
-    it, served the narrower ones badly; benchmarks/README.md, train_memory.py). `budget` 0: one
+    it, served the narrower ones badly; benchmarks/studies/train_memory.md). `budget` 0: one
     micro-batch, in arrival order.
 
     The budget a packed micro-batch may fill is the largest padded chunk of the same lengths

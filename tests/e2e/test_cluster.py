@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from mlflow_server import BIN, Sessions, free_port, http_ok, session_members, start_two_node_cluster, wait_until
+
+from benchmarks.real_servers import BIN, Sessions, free_port, http_ok, session_members, start_two_node_cluster, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6

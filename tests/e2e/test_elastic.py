@@ -13,8 +13,9 @@ import re
 
 import mlflow
 import pytest
-from mlflow_server import add_node, start_head, submit_and_follow
 from test_faults import assert_exactly_once, final_ledger
+
+from benchmarks.real_servers import add_node, start_head, submit_and_follow
 
 STEPS, GROUPS = 16, 4
 

@@ -14,8 +14,9 @@ import time
 
 import mlflow
 import pytest
-from mlflow_server import start_two_node_cluster, submit_and_follow
 from test_faults import assert_exactly_once, final_ledger
+
+from benchmarks.real_servers import start_two_node_cluster, submit_and_follow
 
 STEPS, GROUPS = 16, 4  # enough steps for a slow second generate actor to come up before the job ends
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
-from mlflow_server import MlflowServer, Sessions
 
+from benchmarks.real_servers import MlflowServer, Sessions
 from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.tracking.tracker import NullTracker, Tracker
@@ -280,7 +280,7 @@ def test_null_tracker_has_the_same_interface(tmp_path):
 
 CRASHING_JOB = """
 import json, os, sys, time
-sys.path[:0] = ["tests/e2e", "tests"]
+sys.path[:0] = ["tests/e2e"]
 from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.tracking.tracker import NullTracker, Tracker

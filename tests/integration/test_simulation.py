@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -25,13 +24,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from benchmarks.sim_engine import ENGINE as SIM, CostModel, DecodeServer, LengthModel, SimEngine
+from benchmarks import sim_trainer
+from benchmarks.sim_cost import CostModel, LengthModel
+from benchmarks.sim_engine import ENGINE as SIM, SimEngine
+from benchmarks.sim_server import DecodeServer
 from operators.engines.base import SamplingParams
 from operators.engines.factory import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import sim_trainer
 
 STEPS, GROUPS, N = 5, 4, 8
 
@@ -169,13 +169,10 @@ def test_in_flight_abort_frees_the_slots(tmp_path):
 
 
 def run_sim(ray, tmp_path: Path, max_staleness: int, cost: CostModel, **rollout) -> tuple[list[dict], list[float], list]:
-    from ray import cloudpickle
-
     from pipelines.config.load import load_config
     from pipelines.dag import build_rl_dataset, iter_steps, schedule_groups
     from pipelines.runtime.policy_store import create_policy_store
 
-    cloudpickle.register_pickle_by_value(sim_trainer)
     # Every Generate actor up before the first call is dispatched: an in-flight actor takes several calls
     # at once, so the first one up would otherwise take them all (and Ray Data kills an idle one).
     ray.data.DataContext.get_current().wait_for_min_actors_s = 600

@@ -4,9 +4,6 @@ and the recorded runs of benchmarks/results/simulation*.json against it."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +12,7 @@ from benchmarks.sim_bound import (
     RESULT_FILES, RESULTS, StepWork, best_bound, mean_work, steady_seconds_per_step, step_bound, step_work,
     sync_step_s, timed_steps,
 )
-from benchmarks.sim_engine import CostModel
+from benchmarks.sim_cost import CostModel
 
 # tick(x) = 0.1 + 0.01 * x seconds, 4 sequences per instance, 1 s per load, 0.1 s per trained token + 0.2 s a step.
 HAND = CostModel(decode_step_s=0.1, decode_per_seq_s=0.01, max_num_seqs=4, weight_sync_s=1.0,
@@ -104,12 +101,8 @@ def test_every_recorded_speedup_is_within_its_bound(name):
         assert bound["sim_seconds_per_step_at_this_layout"] == pytest.approx(own.step_s, abs=0.01)
 
 
-def test_the_workload_is_the_one_the_runs_decoded(monkeypatch):
-    # simulate_cluster sets PYTHONPATH and sys.path for its Ray workers when imported: undone after the test
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from simulate_cluster import scheduled_lengths
+def test_the_workload_is_the_one_the_runs_decoded():
+    from benchmarks.sim_layout import scheduled_lengths
 
     result = recorded("simulation.json")
     cost = CostModel.from_dict(result["cost_model"])

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.sim_bound import RESULT_FILES, RESULTS, best_bound, mean_work, timed_steps, train_s
-from benchmarks.sim_engine import CostModel, LengthModel
+from benchmarks.sim_cost import CostModel, LengthModel
 from benchmarks.sim_terms import layout_terms
 from benchmarks.sim_tiers import TierPolicy, best_tiered, tier_policies, tiers
 
@@ -100,12 +97,8 @@ def test_every_recorded_run_is_within_its_estimate(name):
         assert 0 < aged["bound_over_age_batched"] <= 1
 
 
-def test_the_recorded_estimate_is_up_to_date(monkeypatch):
-    # simulate_cluster sets PYTHONPATH and sys.path for its Ray workers when imported: undone after the test
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from simulate_cluster import scheduled_lengths
+def test_the_recorded_estimate_is_up_to_date():
+    from benchmarks.sim_layout import scheduled_lengths
 
     result = json.loads((RESULTS / "simulation.json").read_text())
     cost = CostModel.from_dict(result["cost_model"])

@@ -1,5 +1,5 @@
-"""Real servers for tests: processes each in their own session (setsid), so teardown kills a
-server's whole process tree and nothing else on the machine; a two-node Ray cluster of real
+"""Real servers for the tests and benchmarks/chaos.py: processes each in their own session (setsid), so
+teardown kills a server's whole process tree and nothing else on the machine; a two-node Ray cluster of real
 `ray start` processes (one session per node, so killing a session is losing that node); and an
 `mlflow server` that can be killed and started again on the same port and store, as in an outage."""
 
