@@ -51,7 +51,8 @@ listening = []
 for process in [me, *me.children(recursive=True)]:
     try:
         sockets = [c for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN]
-        name = " ".join(process.cmdline())[:120]
+        # the whole command line: a cut at a fixed width dropped the script's name when the checkout's path was long
+        name = " ".join([process.name(), *process.cmdline()])
     except psutil.NoSuchProcess:
         continue
     listening += [{"pid": process.pid, "process": name, "ip": c.laddr.ip, "port": c.laddr.port} for c in sockets]
