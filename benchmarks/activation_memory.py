@@ -68,7 +68,7 @@ def measure(model_path: str, length: int, dtype: str, checkpointing: bool, backw
 
     from operators.algorithms.batching import token_batch
     from operators.algorithms.losses import chunked_token_logprobs
-    from operators.logprobs import chunkable_head
+    from operators.algorithms.logprobs import chunkable_head
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)

@@ -7,7 +7,7 @@ import statistics
 import time
 import zlib
 
-from operators.environment import calculator
+from operators.environments.environment import calculator
 
 MEDIAN_S, SIGMA, CAP_S = 0.2, 1.0, 2.0
 

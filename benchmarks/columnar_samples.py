@@ -45,7 +45,7 @@ from operators.algorithms.batching import (
     token_batch,
 )
 from operators.algorithms.step_batch import explode, micro_batch_chunks, shard, subset
-from operators.tables import ROLLOUT_COLUMNS, rollouts_table
+from operators.stages.tables import ROLLOUT_COLUMNS, rollouts_table
 
 STAGES = ("explode", "shard", "pickle", "token_batch", "rollouts")
 

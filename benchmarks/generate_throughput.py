@@ -62,7 +62,7 @@ def prompts(count: int) -> pd.DataFrame:
 
 def measure(engine: str, model_path: Path, groups: list[int], n: int, max_new_tokens: int, repeats: int,
             dtype: str = "float32") -> dict:
-    from operators.generate import Generate
+    from operators.stages.generate import Generate
 
     options = {"torch_threads": 2}
     if engine == "vllm":

@@ -207,7 +207,7 @@ def main() -> None:
     # The engine first: under ZeRO-3 the trainer keeps transformers' HfDeepSpeedConfig alive, and while it
     # lives every from_pretrained in the process builds its model partitioned (pipelines/plain_loop.py's order).
     engine = HFEngine(str(folder))
-    trainer = TrainWorker(0, 1, free_port(), settings, None)  # NCCL on CUDA, gloo on CPU (operators.devices)
+    trainer = TrainWorker(0, 1, free_port(), settings, None)  # NCCL on CUDA, gloo on CPU (operators.common.devices)
     plane = LoopbackPlane()
     params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.engine.module.parameters())  # ZeRO-3: partitioned
     rng = np.random.default_rng(0)

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 
 def workload(cfg, path: str, groups: int, median: float, seed: int = 0) -> dict:
     """The step's samples: the config's first `groups` prompts, each with rollout.n random responses."""
-    from operators.prompts import PromptFormat, PromptRenderer
+    from operators.common.prompts import PromptFormat, PromptRenderer
     from pipelines.data.datasets import load_prompts
     from pipelines.data.prompt_checks import load_tokenizer
 
@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    from operators.ref_logprob import RefLogprob
+    from operators.stages.ref_logprob import RefLogprob
     from operators.workers.deepspeed_setup import free_port
     from operators.workers.train_worker import TrainWorker
     from pipelines.config.load import load_config

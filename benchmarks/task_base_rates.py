@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from operators.task_answers import ANSWER_FORMATS, extract_answer, reasoning_gym_scores
+from operators.common.task_answers import ANSWER_FORMATS, extract_answer, reasoning_gym_scores
 from pipelines.data.reasoning_tasks import make_task_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ def run_plain(cfg, model_path: str) -> list[dict]:
     """The same work in one process, in turn, no Ray: the floor for framework overhead."""
     import torch
 
-    from operators.advantage import Advantage
-    from operators.generate import Generate
-    from operators.reward import Reward
+    from operators.stages.advantage import Advantage
+    from operators.stages.generate import Generate
+    from operators.stages.reward import Reward
     from operators.algorithms.step_batch import explode
     from operators.workers.train_worker import TrainWorker
     from pipelines.data.datasets import load_prompts

@@ -24,7 +24,7 @@ from typing import Callable
 import pandas as pd
 import ray
 
-from operators.sandbox import isolation
+from operators.environments.sandbox import isolation
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
 from pipelines.dag import schedule_groups

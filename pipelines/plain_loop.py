@@ -22,8 +22,8 @@ import numpy as np
 
 from operators.algorithms.estimators import ADVANTAGE_ESTIMATORS, STEP_WHITENED, estimator_kind
 from operators.algorithms.step_batch import explode, step_normalisers
-from operators.generate import Generate
-from operators.reward import Reward
+from operators.stages.generate import Generate
+from operators.stages.reward import Reward
 from operators.workers.deepspeed_setup import free_port
 from operators.workers.train_worker import TrainWorker
 from pipelines.config.job import JobConfig

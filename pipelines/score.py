@@ -15,8 +15,8 @@ import argparse
 import ray
 from ray.data import ActorPoolStrategy
 
-from operators.generate import Generate
-from operators.reward import Reward
+from operators.stages.generate import Generate
+from operators.stages.reward import Reward
 
 
 def score_prompts(

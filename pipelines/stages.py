@@ -7,7 +7,7 @@
       -> [Reference] a frozen reference policy's log-probs (the config's reference section)
       -> [Value]    PPO with a critic: per-token values from the critic store (its own DeepSpeed group)
       -> Advantage  group-relative estimator, or GAE from the values   } one stage, one actor
-      -> Train      buffers a step's groups, steps the DeepSpeed group,  } (operators/chain.py)
+      -> Train      buffers a step's groups, steps the DeepSpeed group,  } (operators/stages/chain.py)
                     publishes weights
 
 A `Stage` is a value: the callable class, its constructor arguments, and the `map_batches` options
@@ -28,14 +28,14 @@ from typing import Any
 
 from ray.data import ActorPoolStrategy
 
-from operators.advantage import Advantage
-from operators.chain import Chain
-from operators.faults import FaultPoints
-from operators.generate import Generate
-from operators.ref_logprob import RefLogprob
-from operators.reward import Reward
-from operators.train import Train
-from operators.value import Value
+from operators.stages.advantage import Advantage
+from operators.stages.chain import Chain
+from operators.common.faults import FaultPoints
+from operators.stages.generate import Generate
+from operators.stages.ref_logprob import RefLogprob
+from operators.stages.reward import Reward
+from operators.stages.train import Train
+from operators.stages.value import Value
 from pipelines.config.job import JobConfig
 from pipelines.config.model import ModelConfig
 from pipelines.data.models import resolve_model_path
@@ -133,7 +133,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
     """The RL DAG's stages, in order. `store`: the policy store actor (the weight channel's handle, passed to every stage that reads it); `workers`: the trainer group.
     `remote_args` adds Ray options per stage ("generate", "reward", "reference"), e.g.
     {"generate": {"num_gpus": 1}} or {"generate": {"resources": {"sim_gpu": 4}}}. The schedule starts at
-    `first_step`; `checkpoint_options` (see operators.train.Train) turns checkpoints on. `critics`: the
+    `first_step`; `checkpoint_options` (see operators.stages.train.Train) turns checkpoints on. `critics`: the
     critic group (start_critic_group) when the config has a critic. `replicas`: the generate actors'
     placement groups (replica_placement(cfg)) when an engine spans several devices, else None."""
     remote_args = remote_args or {}
@@ -150,10 +150,10 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
         engine_options=engine_options(cfg, in_flight=in_flight, replica_group=replicas is not None, plane=True),
         in_flight=in_flight, max_seqs_in_flight=cfg.rollout.max_seqs_in_flight,
         partial_rollout=cfg.rollout.partial_rollout, update_when=cfg.rollout.update_when,
-        faults=FaultPoints.from_environment(),  # armed only by a test or a chaos run (operators/faults.py)
+        faults=FaultPoints.from_environment(),  # armed only by a test or a chaos run (operators/common/faults.py)
         **cfg.prompt_options(),
     )
-    if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environment.py)
+    if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environments/environment.py)
         env = cfg.rollout.environment
         generate.update(environment=env.name, environment_options=environment_options(cfg), max_turns=env.max_turns,
                         max_episode_tokens=env.max_episode_tokens)
@@ -206,7 +206,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
             ActorPoolStrategy(size=1), {"num_cpus": cfg.critic.value_num_cpus},
             requires=("prompt_token_ids", "response_token_ids"), produces=("values", "critic_version"),
         ))
-    # Advantage runs in the Train stage's actor: one executor trip less on the loop (operators/chain.py).
+    # Advantage runs in the Train stage's actor: one executor trip less on the loop (operators/stages/chain.py).
     # Its state (buffered groups, the ledger) dies with it: no silent restart; the job restarts from the
     # last checkpoint instead (pipelines/recovery/attempts.py).
     out.append(Stage(
@@ -221,7 +221,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
             )),
         ]),
         # Calls side by side (threads): the next step's groups are taken in while a step trains, so that
-        # step starts the moment this one ends (operators.train.Train is safe for it).
+        # step starts the moment this one ends (operators.stages.train.Train is safe for it).
         ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=TRAIN_CALLS,
                           max_concurrent_calls_per_actor=TRAIN_CALLS, enable_true_multi_threading=True),
         {"num_cpus": DAG_HELPER_CPUS, "max_restarts": 0},

@@ -45,7 +45,7 @@ def troublemaker(completions, prompt_id, answer, **kwargs):
     the trainer casts advantages to float32 (with an advantage that is not divided by the std)."""
     import time
 
-    from operators.reward import arithmetic_exact
+    from operators.stages.reward import arithmetic_exact
 
     if "arith-00003" in prompt_id:
         while True:
@@ -74,13 +74,13 @@ def slower_exact(completions, answer, **kwargs):
 def _exact_after(seconds, completions, answer, **kwargs):
     import time
 
-    from operators.reward import arithmetic_exact
+    from operators.stages.reward import arithmetic_exact
 
     time.sleep(seconds)
     return arithmetic_exact(completions, answer=answer, **kwargs)
 
 
-# Tools (operators/environment.py, ToolEnvironment), as 'reward_fixtures:NAME'.
+# Tools (operators/environments/environment.py, ToolEnvironment), as 'reward_fixtures:NAME'.
 def raising_tool(arguments):
     raise RuntimeError(f"cannot do {arguments}")
 
@@ -110,14 +110,14 @@ class Chatter:
         self.answer = row["answer"]
 
     def step(self, turn):
-        from operators.environment import EnvStep
+        from operators.environments.environment import EnvStep
 
         return EnvStep(observation="+1=", reward=0.25)
 
 
 def flaky_calculator(expression):
     """The calculator, except that it raises on a '7' and returns a number (not a string) on a '5'."""
-    from operators.environment import calculator
+    from operators.environments.environment import calculator
 
     if "7" in expression:
         raise RuntimeError("seven")
@@ -137,7 +137,7 @@ class WrongAnswers:
         self.kind = row["answer"]
 
     def step(self, turn):
-        from operators.environment import EnvStep
+        from operators.environments.environment import EnvStep
 
         return {"text": EnvStep(reward="high"), "nan": EnvStep(reward=float("nan")),
                 "observation": EnvStep(observation=42, reward=1.0), "fine": EnvStep(observation="+1=", reward=0.5)

@@ -1,5 +1,5 @@
 """Advantage estimators and reward shaping: pure numpy maths, apart from the operator that uses them
-(operators/advantage.py, `Advantage`).
+(operators/stages/advantage.py, `Advantage`).
 
 Two kinds, each with its registry:
 
@@ -8,7 +8,7 @@ Two kinds, each with its registry:
   per response, also [G, n] float64; the trainer broadcasts it over the response tokens;
 * token estimators (`TOKEN_ESTIMATORS`: gae) map one response's per-token rewards [T] and
   the critic's per-token values [T] to per-token advantages and return targets, both [T]
-  (the critic's training targets). They need a `values` column (operators.value.Value).
+  (the critic's training targets). They need a `values` column (operators.stages.value.Value).
 
 `estimator_kind(name)` says which kind a name is; the Advantage operator dispatches on it.
 """

@@ -4,7 +4,7 @@ step) and micro-batches (one per forward/backward). Also DAPO's dynamic sampling
 step's loss normalisers and the critic's share of the samples.
 
 Pure functions on dicts of columns (numpy, operators/algorithms/columns.py; plain lists work too): the Train
-operator (operators/train.py) and the trainer ranks (operators/workers/train_worker.py) call them.
+operator (operators/stages/train.py) and the trainer ranks (operators/workers/train_worker.py) call them.
 """
 
 from __future__ import annotations

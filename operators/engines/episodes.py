@@ -1,5 +1,5 @@
 """Multi-turn episodes on the in-flight rollout loop: the model's turns alternate with an environment's
-answers (operators/environment.py), every turn a request of its own to the engine.
+answers (operators/environments/environment.py), every turn a request of its own to the engine.
 
 `EpisodeRunner` is the rollout loop's (operators/engines/rollout.py) episode client: the loop makes one and
 hands it what it shares, explicitly: the engine, the engine's slots (operators/engines/engine_slots.py:
@@ -19,7 +19,7 @@ from typing import Callable
 from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
 from operators.engines.engine_slots import EngineSlots
 from operators.engines.rollout_records import Episode, GroupResult
-from operators.environment import Turn, env_step_problem
+from operators.environments.environment import Turn, env_step_problem
 
 
 class EnvOutputError(ValueError):

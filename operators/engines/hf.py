@@ -2,7 +2,7 @@
 
 The behaviour log-probs, log_softmax(logits / T) of each sampled token (untruncated by top-p), are scored
 after generation in one forward over prompt + response, the LM head running on at most
-`logits_chunk_tokens` positions at a time (operators/logprobs.py, as the trainer and the reference model
+`logits_chunk_tokens` positions at a time (operators/algorithms/logprobs.py, as the trainer and the reference model
 do): neither generate's per-step logits nor the [B*n, T, V] log-softmax are ever held."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from operators.devices import local_device, refuse_zero3_partitioned_build
+from operators.common.devices import local_device, refuse_zero3_partitioned_build
 from operators.engines.base import GroupSample, SamplingParams
-from operators.logprobs import next_token_logprobs
-from operators.prompts import cut_at_stop, stop_token_ids
+from operators.algorithms.logprobs import next_token_logprobs
+from operators.common.prompts import cut_at_stop, stop_token_ids
 from operators.weights.buckets import as_weight_set
 
 
@@ -29,7 +29,7 @@ class HFEngine:
             model_path, local_files_only=True, trust_remote_code=trust_remote_code
         )
         self.tokenizer.padding_side = "left"  # generation continues from the right edge
-        # The GPU Ray assigned to this actor (its only visible one), else the CPU (operators.devices).
+        # The GPU Ray assigned to this actor (its only visible one), else the CPU (operators.common.devices).
         self.device = local_device(torch, role="the HF engine")
         refuse_zero3_partitioned_build("the HF engine")  # a ZeRO-3 rank in this process would shard it
         self.model = AutoModelForCausalLM.from_pretrained(

@@ -50,7 +50,7 @@ from operators.engines.base import GroupSample, InFlightEngine, SamplingParams
 from operators.engines.engine_slots import EngineSlots
 from operators.engines.episodes import EpisodeRunner
 from operators.engines.rollout_records import GroupResult, UpdateRecord
-from operators.faults import FaultPoints
+from operators.common.faults import FaultPoints
 from operators.weights.plane import Incoming
 from operators.weights.planes import receiver_for
 
@@ -75,7 +75,7 @@ class RolloutLoop:
         faults: FaultPoints = FaultPoints(),
     ):
         """`store`: a PolicyStoreClient (operators/weights/store.py), or None (versions are loaded with
-        `load_policy` only). `faults`: the fault points armed for a test or a chaos run (operators/faults.py;
+        `load_policy` only). `faults`: the fault points armed for a test or a chaos run (operators/common/faults.py;
         none by default)."""
         if partial_rollout and not getattr(engine, "can_pause", False):
             raise ValueError(f"{type(engine).__name__} cannot pause requests in flight: partial rollout needs one that can")

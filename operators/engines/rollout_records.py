@@ -19,7 +19,7 @@ class GroupResult:
     start: float  # wall clock: submitted to the engine (after the caller's admission)
     end: float  # wall clock: the last sample finished
     pause_s: float = 0.0  # weight-update pauses while this group was in flight
-    episodes: list | None = None  # multi-turn: one Episode per response (operators/environment.py)
+    episodes: list | None = None  # multi-turn: one Episode per response (operators/environments/environment.py)
 
     @property
     def version_min(self) -> int:

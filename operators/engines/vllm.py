@@ -53,7 +53,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from operators.engines.base import GroupSample, SamplingParams
-from operators.prompts import cut_at_stop, stop_token_ids
+from operators.common.prompts import cut_at_stop, stop_token_ids
 from operators.weights.buckets import WeightSet, as_weight_set
 
 logger = logging.getLogger(__name__)

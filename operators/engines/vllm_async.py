@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator
 
 from operators.engines.base import SamplingParams, TokenDelta
 from operators.engines.vllm import GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
-from operators.prompts import first_stop
+from operators.common.prompts import first_stop
 
 logger = logging.getLogger(__name__)
 

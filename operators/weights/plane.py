@@ -2,7 +2,7 @@
 
 A **plane** is a pair: a `WeightSender` on the trainer's side and a `WeightReceiver` on each engine's.
 The trainer's publisher (operators/weights/publisher.py) packs the weights into buckets
-(operators/weights/buckets.py) and hands them to its sender; a generator (operators/generate.py, and the
+(operators/weights/buckets.py) and hands them to its sender; a generator (operators/stages/generate.py, and the
 rollout loop it drives, operators/engines/rollout.py) asks its receiver for the next version and loads
 what comes. Both sides meet at the policy store (operators/weights/store.py), which is the version gate
 and the planes' registry. Two planes today:

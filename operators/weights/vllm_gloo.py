@@ -32,7 +32,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from operators.faults import FaultPoints
+from operators.common.faults import FaultPoints
 from operators.weights.buckets import WeightBucket, WeightSet
 from operators.weights.checksums import applied_mismatches, transport_mismatches
 from operators.weights.gloo_wire import open_group, receive_version
@@ -50,7 +50,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     engine_id: str = ""
     timeout_s: float = 300.0
-    fault_dir: str | None = None  # operators/faults.py, for tests and chaos runs
+    fault_dir: str | None = None  # operators/common/faults.py, for tests and chaos runs
     fault_points: list = field(default_factory=list)
     fault_hold_s: float = 30.0
 

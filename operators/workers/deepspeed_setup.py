@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 
-from operators.devices import dist_backend
+from operators.common.devices import dist_backend
 from operators.workers.settings import TrainerSettings
 
 

@@ -29,8 +29,8 @@ from operators.algorithms.loss_composition import StatSums, add_policy_stats, po
 from operators.algorithms.losses import entropy_from_logits, token_logprobs
 from operators.algorithms.shared_prompts import check_shared_prompts, step_width_limit
 from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts, subset
-from operators.devices import local_device
-from operators.logprobs import chunkable_head, chunked_logprobs
+from operators.common.devices import local_device
+from operators.algorithms.logprobs import chunkable_head, chunked_logprobs
 from operators.weights.buckets import named_weights
 from operators.weights.publisher import Publisher
 from operators.workers.checkpointer import Checkpointer
@@ -297,7 +297,7 @@ class TrainWorker:
 
         With `logits_chunk_tokens` set, the model returns its final hidden states (and the logits of one
         position only) and the log-probs are computed from them in chunks that are recomputed in backward
-        (operators/logprobs.py: chunked_logprobs): the fp32 [B, L, V] logits are never held at once. Under
+        (operators/algorithms/logprobs.py: chunked_logprobs): the fp32 [B, L, V] logits are never held at once. Under
         ZeRO-3 the LM head is gathered once for the chunks, their recomputes and its gradient, and stays
         gathered until the context exits (engine_steps.gathered_head); the model's own forward fetches it
         once more for the one position it computes."""

@@ -33,7 +33,7 @@ class DataConfig(Section):
         "Needs a chat template (chat_template: auto with a tokenizer that has one, or a file)."
     )
     chat_template: str = Field(
-        "auto", description="How prompts become the model's input (operators/prompts.py): 'auto' applies the "
+        "auto", description="How prompts become the model's input (operators/common/prompts.py): 'auto' applies the "
         "tokenizer's chat template (with the generation prompt) when it has one and the prompts are messages or "
         "data.system_prompt is set, else encodes the text as it is; 'none' never applies one (text prompts "
         "only); or a path to a Jinja template file, applied to every prompt."

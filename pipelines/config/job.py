@@ -194,7 +194,7 @@ class JobConfig(Section):
         return []
 
     def prompt_options(self, held_out: bool = False) -> dict[str, Any]:
-        """How prompts are rendered (operators.prompts.PromptFormat's fields): the training data's, or with
+        """How prompts are rendered (operators.common.prompts.PromptFormat's fields): the training data's, or with
         `held_out` the eval data's, each unset field taken from the training data."""
         options = {"chat_template": self.data.chat_template, "system_prompt": self.data.system_prompt}
         if held_out and self.eval is not None:

@@ -1,5 +1,5 @@
 """Rewards: the reward functions and their actors (`reward`), and the sandbox the functions and the tools of
-multi-turn episodes run in (`sandbox`; its operators.sandbox.SandboxLimits are built in
+multi-turn episodes run in (`sandbox`; its operators.environments.sandbox.SandboxLimits are built in
 pipelines/runtime/rollout_settings.py). Whether each function can be imported is checked through
 pipelines/config/world.py's WorldChecks, in the same pass as every other field."""
 
@@ -14,7 +14,7 @@ from pipelines.config.base import Section, world_checks
 
 class RewardFunctionConfig(Section):
     name: str = Field(
-        description="A builtin reward name (see operators.reward.REWARD_FUNCTIONS) or 'module:function' "
+        description="A builtin reward name (see operators.stages.reward.REWARD_FUNCTIONS) or 'module:function' "
         "with signature (completions, **dataset_columns) -> list[float]."
     )
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
@@ -53,7 +53,7 @@ class RewardConfig(Section):
 
 class SandboxConfig(Section):
     """What the sandbox child of reward functions (reward.timeout_s > 0) and tool calls may use
-    (operators/sandbox.py). A limit of 0 is no limit."""
+    (operators/environments/sandbox.py). A limit of 0 is no limit."""
 
     memory_mb: int = Field(4096, ge=0, description="Address space of a sandbox child, MiB; a function that "
                            "allocates past it fails that call (on_error, or an error observation for a tool).")

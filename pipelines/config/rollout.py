@@ -47,7 +47,7 @@ class VLLMOptions(Section):
 class EnvironmentConfig(Section):
     name: str = Field(
         description="The environment that answers the model between turns: a builtin ('tools': tool calls, see "
-        "operators/environment.py) or 'module:Class' (a class with reset(row) and step(turn) -> EnvStep)."
+        "operators/environments/environment.py) or 'module:Class' (a class with reset(row) and step(turn) -> EnvStep)."
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment's class, e.g. for 'tools': "

@@ -46,7 +46,7 @@ def engine_installed(engine: str) -> str:
 
 
 def importable_reward_function(name: str) -> str:
-    from operators.reward import resolve_reward_function
+    from operators.stages.reward import resolve_reward_function
 
     try:
         resolve_reward_function(name)
@@ -56,7 +56,7 @@ def importable_reward_function(name: str) -> str:
 
 
 def importable_environment(name: str) -> str:
-    from operators.environment import resolve_environment
+    from operators.environments.environment import resolve_environment
 
     try:
         resolve_environment(name)
@@ -68,7 +68,7 @@ def importable_environment(name: str) -> str:
 def environment_takes(name: str, options: dict) -> None:
     """The environment class takes `options` as keyword arguments, and its own check of them holds (e.g.
     tools that cannot be imported); ValueError 'options...' otherwise."""
-    from operators.environment import resolve_environment
+    from operators.environments.environment import resolve_environment
 
     cls = resolve_environment(name)
     try:

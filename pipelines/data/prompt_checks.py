@@ -39,7 +39,7 @@ def _prompt_problems(frame: pd.DataFrame) -> tuple[dict[str, list[int]], dict[in
     """Row positions with a missing, blank, malformed or non-text prompt, per kind, and what is wrong
     with each row of malformed chat messages. A column holds text or messages: rows of the other kind
     than the first well-formed row are `mixed_kinds`."""
-    from operators.prompts import is_messages, message_problem
+    from operators.common.prompts import is_messages, message_problem
 
     problems: dict[str, list[int]] = {}
     reasons: dict[int, str] = {}
@@ -72,7 +72,7 @@ def _prompt_problems(frame: pd.DataFrame) -> tuple[dict[str, list[int]], dict[in
 def _format_problems(frame: pd.DataFrame, renderer, skip: set[int]) -> list[tuple[str, str]]:
     """Problems of the prompt format as a whole (not fixed by dropping rows): chat messages or a system
     prompt with no chat template to render them."""
-    from operators.prompts import is_messages
+    from operators.common.prompts import is_messages
 
     prompts = frame["prompt"].tolist()
     messages = any(is_messages(prompts[i]) for i in range(len(prompts)) if i not in skip)
@@ -168,7 +168,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
 
 
 def prompt_token_counts(prompts: list, renderer) -> np.ndarray:
-    """Tokens per prompt as Generate encodes them (operators.prompts.PromptRenderer: the chat template
+    """Tokens per prompt as Generate encodes them (operators.common.prompts.PromptRenderer: the chat template
     applied where it is), batch-encoded: a fast tokenizer's Rust batch encoder (parallel, no offsets)
     where there is one."""
     tokenizer = renderer.tokenizer
@@ -194,7 +194,7 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str,
                      prompt_options: dict | None = None) -> tuple[pd.DataFrame, dict]:
     """Check every prompt row; return the rows kept and a report of the rows dropped.
 
-    Prompts are rendered as Generate renders them (operators/prompts.py; `prompt_options`: the
+    Prompts are rendered as Generate renders them (operators/common/prompts.py; `prompt_options`: the
     PromptFormat fields, default `cfg.prompt_options()`), so lengths count the chat template too.
     A format that cannot render the prompts (chat messages or a system prompt without a chat template)
     is an error whatever `invalid_prompts` says.
@@ -214,7 +214,7 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str,
     to the prompt ids of its dropped rows (only kinds that occurred; `{}` when all are valid).
     Dropping every row is an error too. A row counts under its first kind only.
     """
-    from operators.prompts import PromptFormat, PromptError, PromptRenderer
+    from operators.common.prompts import PromptFormat, PromptError, PromptRenderer
 
     data = cfg.data
     frame = prompts.reset_index(drop=True)

@@ -6,7 +6,7 @@ reasoning-gym (`pip install reasoning-gym==0.1.25`) makes problems of ~100 tasks
 itself (`score_answer`). The table has the columns
 
 - `prompt`: chat messages, `[{"role": "user", "content": question}]` (the answer format is asked for by
-  `data.system_prompt`, e.g. operators.task_answers.SYSTEM_PROMPT);
+  `data.system_prompt`, e.g. operators.common.task_answers.SYSTEM_PROMPT);
 - `prompt_id`: `<task>-<16 hex digits of sha256(task, question)>`, the same for the same problem in any call;
 - `answer`, `rg_task`, `rg_entry` (the entry as JSON) and `rg_options` (the task options as JSON): what the
   `reasoning_gym` reward needs to score with the task's own scorer.
@@ -32,7 +32,7 @@ from typing import Any
 
 import pandas as pd
 
-from operators.task_answers import REASONING_GYM_REQUIREMENT, entry_to_json
+from operators.common.task_answers import REASONING_GYM_REQUIREMENT, entry_to_json
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 HELDOUT_PERCENT = 20  # share of every task's problems in the held-out split

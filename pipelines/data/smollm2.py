@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from operators.durable import sha256_of
+from operators.common.durable import sha256_of
 from pipelines.data.model_cache import BUILTIN_PREFIX, MARKER_FILE, build_cached, cache_root, cached_folder
 
 SMOLLM2 = "smollm2-135m-instruct"  # its name as a builtin: builtin:smollm2-135m-instruct

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from operators.reward import arithmetic_exact  # the task's reward, kept with the other builtins
+from operators.stages.reward import arithmetic_exact  # the task's reward, kept with the other builtins
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]

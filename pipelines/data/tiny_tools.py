@@ -25,8 +25,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from operators.environment import MAX_EXPRESSION_CHARS, MAX_MAGNITUDE, calculator  # noqa: F401 - the task's tool
-from operators.reward import tool_answer_exact  # noqa: F401 - the task's reward
+from operators.environments.environment import MAX_EXPRESSION_CHARS, MAX_MAGNITUDE, calculator  # noqa: F401 - the task's tool
+from operators.stages.reward import tool_answer_exact  # noqa: F401 - the task's reward
 from pipelines.data.model_cache import build_cached
 from pipelines.data.tiny import CHARS, SPECIAL_TOKENS, build_char_tokenizer, choose_split, load_model, problem_table
 from pipelines.data.tiny_build import split_overrides, warm_up_and_save
@@ -107,7 +107,7 @@ def make_tool_dataset(num_prompts: int, seed: int = 0, split: str = "all") -> pd
 
 # ------------------------------------------------------------------------- tool, reward
 
-# The calculator is the builtin tool of operators/environment.py and the reward a builtin of operators/reward.py;
+# The calculator is the builtin tool of operators/environments/environment.py and the reward a builtin of operators/stages/reward.py;
 # they are imported here so that this module names the task's whole protocol.
 
 

@@ -24,8 +24,8 @@ from typing import Callable
 
 import pandas as pd
 
-from operators.eval_metrics import summarize
-from operators.tables import to_parquet
+from operators.algorithms.eval_metrics import summarize
+from operators.stages.tables import to_parquet
 from operators.weights.object_store import fetch
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
@@ -54,8 +54,8 @@ class EvalSettings:
     success_threshold: float
     # multi-turn episodes (rollout.environment): name, options, max_turns, max_episode_tokens; evaluated as trained
     environment: dict | None = None
-    sandbox_limits: object = None  # operators.sandbox.SandboxLimits of the reward functions' child
-    chat_template: str = "auto"  # how prompts are rendered (operators/prompts.py), as in training
+    sandbox_limits: object = None  # operators.environments.sandbox.SandboxLimits of the reward functions' child
+    chat_template: str = "auto"  # how prompts are rendered (operators/common/prompts.py), as in training
     system_prompt: str | None = None
 
     @classmethod
@@ -149,8 +149,8 @@ class Evaluator:
                  policy_store=None):
         import ray
 
-        from operators.generate import Generate
-        from operators.reward import Reward
+        from operators.stages.generate import Generate
+        from operators.stages.reward import Reward
 
         self.frames = eval_frames(prompts, settings.prompts_per_call)
         self.settings = settings

@@ -27,7 +27,7 @@ from typing import Callable
 
 import pandas as pd
 
-from operators.eval_metrics import summarize
+from operators.algorithms.eval_metrics import summarize
 from pipelines.recovery.checkpoint import RUN_FILE, Checkpoint, CheckpointDir, CheckpointError, verify
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
@@ -172,8 +172,8 @@ def eval_dataset(frames: list[pd.DataFrame], model_path: str, settings: EvalSett
     import ray
     from ray.data import ActorPoolStrategy
 
-    from operators.generate import Generate
-    from operators.reward import Reward
+    from operators.stages.generate import Generate
+    from operators.stages.reward import Reward
     from pipelines.runtime.placement import map_stage
 
     ctx = ray.data.DataContext.get_current()

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pandas as pd
 import ray
 
-from operators.durable import MIB, free_bytes, space_problem
+from operators.common.durable import MIB, free_bytes, space_problem
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
 from pipelines.dag import build_dag, configure_data_context, iter_steps

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from operators.durable import (DiskFullError, folder_bytes, fsync_dir, is_disk_full, sha256_of, space_problem,
+from operators.common.durable import (DiskFullError, folder_bytes, fsync_dir, is_disk_full, sha256_of, space_problem,
                                write_json_atomic)
 
 MANIFEST = "MANIFEST.json"
@@ -141,7 +141,7 @@ class CheckpointDir:
         return tmp
 
     def commit(self, tmp: Path, step: int, state: dict, ledger: pd.DataFrame) -> Path:
-        """Add state and ledger (the Train operator's, operators.train.LEDGER_COLUMNS), fsync every file, write
+        """Add state and ledger (the Train operator's, operators.stages.train.LEDGER_COLUMNS), fsync every file, write
         the manifest last, rename into place."""
         ledger.to_parquet(tmp / LEDGER, index=False)
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "written_at": time.time()}, indent=1, default=str))
@@ -224,7 +224,7 @@ class CheckpointDir:
 
 
 class StepCheckpoints:
-    """What the Train operator (operators/train.py) calls between steps to write a job's checkpoints:
+    """What the Train operator (operators/stages/train.py) calls between steps to write a job's checkpoints:
     every `every` steps (0: only after the last one) into `root`, the newest `keep` kept (0: all), a
     Hugging Face export (weights and tokenizer) in the last one, or in every one with hf_export "every".
     Picklable: it travels to the Train stage's actor with the operator's arguments.
@@ -275,7 +275,7 @@ class StepCheckpoints:
             if last or self.hf_export == "every":
                 # the policy, loadable with from_pretrained / vLLM / streamrl eval (rank 0 adds the tokenizer:
                 # it has transformers loaded already; importing it in the Train actor would cost seconds); the
-                # critic beside it, loadable by operators.value.Value
+                # critic beside it, loadable by operators.stages.value.Value
                 ray.get([worker.save_pretrained.remote(str(tmp), tokenizer=True) for worker in workers]
                         + [critic.save_pretrained.remote(str(tmp / CRITIC_DIR / "model"), tokenizer=True)
                            for critic in critics])

@@ -140,7 +140,7 @@ class AttemptFailed(RuntimeError):
 
 
 def is_disk_full_failure(err: BaseException) -> bool:
-    """True when an attempt ended on a full disk (operators.durable.DiskFullError, raised in the Train actor:
+    """True when an attempt ended on a full disk (operators.common.durable.DiskFullError, raised in the Train actor:
     Ray Data passes it on as text), which waiting for room and restarting can get past."""
     text = err.details if isinstance(err, AttemptFailed) else "".join(traceback.format_exception(err))
     return "DiskFullError" in text

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from operators.durable import write_json_atomic
+from operators.common.durable import write_json_atomic
 
 LEASE_FILE = "lease.json"
 LOCK_FILE = ".lease.lock"

@@ -7,7 +7,7 @@ the evaluator (pipelines/evaluation/in_training.py) and the trainer's settings
 from __future__ import annotations
 
 from operators.engines.factory import has_in_flight_form
-from operators.sandbox import SandboxLimits
+from operators.environments.sandbox import SandboxLimits
 from pipelines.config.job import JobConfig
 from pipelines.config.reward import SandboxConfig
 from pipelines.config.rollout import RolloutConfig
@@ -37,7 +37,7 @@ def weight_plane(cfg: JobConfig) -> str:
 
 
 def sandbox_limits(sandbox: SandboxConfig) -> SandboxLimits:
-    """The sandbox section as operators.sandbox.SandboxLimits."""
+    """The sandbox section as operators.environments.sandbox.SandboxLimits."""
     mib = 2**20
     return SandboxLimits(address_space_bytes=sandbox.memory_mb * mib, cpu_seconds=sandbox.cpu_seconds,
                          file_size_bytes=sandbox.file_size_mb * mib, max_processes=sandbox.max_processes,
@@ -47,8 +47,8 @@ def sandbox_limits(sandbox: SandboxConfig) -> SandboxLimits:
 
 def environment_options(cfg: JobConfig) -> dict:
     """rollout.environment's options as its class takes them: the builtin tool environment also gets the
-    sandbox's limits (operators/environment.py)."""
-    from operators.environment import ENVIRONMENTS, ToolEnvironment
+    sandbox's limits (operators/environments/environment.py)."""
+    from operators.environments.environment import ENVIRONMENTS, ToolEnvironment
 
     env = cfg.rollout.environment
     options = dict(env.options)

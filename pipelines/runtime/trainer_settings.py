@@ -104,7 +104,7 @@ def critic_model_path(cfg: JobConfig, policy_path: str) -> str:
 
 
 def advantage_options(cfg: JobConfig) -> dict:
-    """Constructor arguments of the Advantage operator (operators.advantage)."""
+    """Constructor arguments of the Advantage operator (operators.stages.advantage)."""
     options = {"estimator": cfg.algorithm.advantage, "max_new_tokens": policy_budget(cfg),
                "overlong_buffer": cfg.algorithm.overlong_buffer, "overlong_penalty": cfg.algorithm.overlong_penalty,
                "kl_reward_coef": cfg.algorithm.kl_reward_coef}
@@ -114,7 +114,7 @@ def advantage_options(cfg: JobConfig) -> dict:
 
 
 def train_options(cfg: JobConfig) -> dict:
-    """The algorithm's constructor arguments of the Train operator (operators.train)."""
+    """The algorithm's constructor arguments of the Train operator (operators.stages.train)."""
     if cfg.algorithm.advantage in STEP_WHITENED:
         whiten = cfg.algorithm.whiten_over
     else:  # GAE's advantages are per token: over the trained tokens

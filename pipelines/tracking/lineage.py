@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from operators.plain import plain
+from operators.common.plain import plain
 from pipelines.recovery.checkpoint import Checkpoint, CheckpointDir, CheckpointError, checked_run_id, find_run_dirs, verify
 
 
@@ -95,7 +95,7 @@ def lineage(checkpoint: Checkpoint, step: int | None = None) -> dict:
 
 def step_prompts(checkpoint: Checkpoint, step: int) -> dict[str, str]:
     """Each group of step `step` and its prompt as the model read it (`prompt_text`: the chat template
-    applied, operators/prompts.py), from the step's rollouts Parquet ({} without the file)."""
+    applied, operators/common/prompts.py), from the step's rollouts Parquet ({} without the file)."""
     path = rollouts_file(checkpoint, step)
     if not path.is_file():
         return {}

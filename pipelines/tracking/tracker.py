@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from operators.durable import is_disk_full
+from operators.common.durable import is_disk_full
 from pipelines.config.job import JobConfig
 from pipelines.config.load import flatten
 from pipelines.tracking.run_inputs import code_version, dataset_name, log_dataset_input, package_versions

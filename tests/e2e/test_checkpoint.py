@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from operators.algorithms.step_batch import explode
-from operators.train import LEDGER_COLUMNS
+from operators.stages.train import LEDGER_COLUMNS
 from pipelines.recovery.checkpoint import CheckpointDir, CheckpointError, verify
 from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config

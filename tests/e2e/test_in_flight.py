@@ -259,7 +259,7 @@ def test_staleness_bound_on_oldest_token_with_partial_rollout(ray_cluster, tmp_p
 
 
 def start_with_fault(out: Path, faults: Path, point: str, overrides: list[str]):
-    """`streamrl run` of the tiny config with `overrides`, fault point `point` armed (operators/faults.py:
+    """`streamrl run` of the tiny config with `overrides`, fault point `point` armed (operators/common/faults.py:
     the process that reaches it writes faults/<point>.json and holds 60 s); (argv, env, the driver)."""
     argv = [sys.executable, "-m", "pipelines.cli", "run", "configs/tiny_grpo.yaml",
             *[arg for item in overrides for arg in ("--set", item)]]

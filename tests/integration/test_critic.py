@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from operators.advantage import Advantage
+from operators.stages.advantage import Advantage
 from operators.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     TOKEN_ESTIMATORS,
@@ -138,7 +138,7 @@ def test_critic_learns_its_targets_and_the_value_operator_reads_the_same_values(
     """In-process (no Ray): the critic rank fits the return targets (the loss falls), a checkpoint
     round trip restores it exactly, and the Value operator, loaded from the critic's export, gives
     per response token the values the rank computes (same positions, same shift)."""
-    from operators.value import Value
+    from operators.stages.value import Value
 
     samples = critic_samples(tiny_model_path)
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["response_token_ids"])
@@ -236,7 +236,7 @@ def test_packed_critic_step_and_value_stage_equal_the_padded_ones(tiny_model_pat
     """train.packing and train.share_prompts reach the critic: its step (value loss, gradient norm, weights) and
     the Value stage's values are the padded ones', computed on packed rows and on rows with each group's
     prompt once."""
-    from operators.value import Value
+    from operators.stages.value import Value
 
     samples = critic_samples(tiny_model_path)
     tokens, count = sum(len(r) for r in samples["response_token_ids"]), len(samples["response_token_ids"])

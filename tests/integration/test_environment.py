@@ -1,4 +1,4 @@
-"""Multi-turn episodes (operators/environment.py, RolloutLoop.submit_episodes): tools that fail become
+"""Multi-turn episodes (operators/environments/environment.py, RolloutLoop.submit_episodes): tools that fail become
 error observations, observation tokens carry no loss, max_turns and the token budget end episodes, an
 environment that cannot be imported is a config error, and `streamrl lineage` shows the turns."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from operators.environment import EnvStep, ToolEnvironment, Turn, calculator
+from operators.environments.environment import EnvStep, ToolEnvironment, Turn, calculator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,8 @@ def test_an_environment_that_cannot_be_imported_is_a_config_error_naming_the_fix
 
     base = ["rollout.engine=vllm"]
     for name, expected in (("nowhere_module:Env", "cannot import module 'nowhere_module'"),
-                           ("operators.environment:Missing", "has no attribute 'Missing'"),
-                           ("operators.environment:calculator", "has no reset or step method"),
+                           ("operators.environments.environment:Missing", "has no attribute 'Missing'"),
+                           ("operators.environments.environment:calculator", "has no reset or step method"),
                            ("gym", "unknown environment 'gym'")):
         with pytest.raises(ConfigError) as err:
             load_config(None, base + [f"rollout.environment.name={name}"])
@@ -151,7 +151,7 @@ def test_observation_tokens_carry_no_loss_weight(tiny_model_path):
 
 def test_an_environment_answer_is_checked():
     """env_step_problem: what the rollout loop refuses from step() (each ends that episode as an env error)."""
-    from operators.environment import env_step_problem
+    from operators.environments.environment import env_step_problem
 
     assert env_step_problem(EnvStep(observation="{85}", reward=1, tool_call="[1+2]")) is None
     assert env_step_problem(EnvStep(reward=np.float32(0.5))) is None

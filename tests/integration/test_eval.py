@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from operators.eval_metrics import pass_at_k, pass_at_ks, summarize, summarize_greedy, summarize_sampled
-from operators.train import LEDGER_COLUMNS
+from operators.algorithms.eval_metrics import pass_at_k, pass_at_ks, summarize, summarize_greedy, summarize_sampled
+from operators.stages.train import LEDGER_COLUMNS
 from pipelines.recovery.checkpoint import CheckpointDir, dataset_digest
 from pipelines.cli import main
 from pipelines.config.base import ConfigError

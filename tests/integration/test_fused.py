@@ -1,4 +1,4 @@
-"""Operators fused into one Ray Data stage (operators/chain.py): the same rows as the stages one by one."""
+"""Operators fused into one Ray Data stage (operators/stages/chain.py): the same rows as the stages one by one."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 import ray
 
-from operators.advantage import Advantage
-from operators.reward import Reward
-from operators.train import Train
-from operators.chain import Chain
+from operators.stages.advantage import Advantage
+from operators.stages.reward import Reward
+from operators.stages.train import Train
+from operators.stages.chain import Chain
 
 
 def groups(answers: list[str], responses: list[list[str]]) -> pd.DataFrame:

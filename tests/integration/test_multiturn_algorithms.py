@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from operators.advantage import Advantage
+from operators.stages.advantage import Advantage
 from operators.algorithms.estimators import gae
 from operators.algorithms.step_batch import explode, step_normalisers
 from pipelines.config.load import load_config

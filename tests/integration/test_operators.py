@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from operators.generate import Generate
-from operators.reward import Reward
+from operators.stages.generate import Generate
+from operators.stages.reward import Reward
 
 
 def group_batch(responses: list[list[str]], answers: list[str]) -> pd.DataFrame:

@@ -220,7 +220,7 @@ def test_the_rl_dag_passes_ray_options_without_deprecated_forms(ray_cluster, tin
 
 @needs_vllm
 def test_a_tensor_parallel_generate_stage_gets_a_group_per_replica(ray_cluster, tiny_model_path):
-    from operators.generate import Generate
+    from operators.stages.generate import Generate
     from pipelines.runtime.placement import ReplicaPlacement
 
     cfg = load_config(TINY, ["train.steps=1", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2",

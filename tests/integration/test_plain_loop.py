@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from operators.devices import DeviceError
+from operators.common.devices import DeviceError
 from pipelines.config.load import load_config
 from pipelines.plain_loop import DEFAULT_CONFIG, ONE_PROCESS, main, run
 

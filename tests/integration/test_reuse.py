@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from operators.reward import arithmetic_exact
+from operators.stages.reward import arithmetic_exact
 from pipelines.score import score_prompts
 from pipelines.data.tiny import make_arithmetic_dataset
 

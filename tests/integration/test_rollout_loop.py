@@ -117,7 +117,7 @@ def test_without_partial_rollout_the_update_drains_and_every_group_has_one_versi
 
 
 def test_generate_rows_report_the_oldest_token_version(cost_path):
-    from operators.generate import Generate
+    from operators.stages.generate import Generate
 
     generate = Generate(cost_path, engine=SIM, n=4, in_flight=True, max_seqs_in_flight=64, partial_rollout=True)
     batch = pd.DataFrame({"prompt": [f"question {i}" for i in range(8)], "group_uid": [f"g{i}" for i in range(8)]})

@@ -1,4 +1,4 @@
-"""The sandbox (operators/sandbox.py) contains what a reward function or tool does in its child: its own
+"""The sandbox (operators/environments/sandbox.py) contains what a reward function or tool does in its child: its own
 children, secrets in the environment, memory and disk, oversized or pickled replies, and, where the
 machine permits it, the network. Real child processes, functions from tests/reward_fixtures.py."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from operators.environment import ToolEnvironment
-from operators.reward import Reward
-from operators.sandbox import Sandbox, SandboxLimits, isolation
+from operators.environments.environment import ToolEnvironment
+from operators.stages.reward import Reward
+from operators.environments.sandbox import Sandbox, SandboxLimits, isolation
 
 
 def batch(responses: list[str], **columns) -> pd.DataFrame:

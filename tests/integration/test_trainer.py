@@ -290,7 +290,7 @@ def test_train_operator_whitens_the_step_and_reports_mismatch_by_staleness(ray_c
     from pipelines.recovery.checkpoint import CheckpointDir, StepCheckpoints
     import ray
 
-    from operators.train import Train
+    from operators.stages.train import Train
 
     cfg = load_config(None, ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1",
                              "train.num_cpus=0.4"])

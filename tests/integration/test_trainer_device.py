@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from operators.algorithms.batching import split_to_count
-from operators.devices import DeviceError, choose_device, dist_backend
+from operators.common.devices import DeviceError, choose_device, dist_backend
 from operators.algorithms.step_batch import explode
 from operators.workers.settings import LrSchedule
 from pipelines.config.load import load_config
@@ -37,7 +37,7 @@ def test_device_follows_what_ray_assigned():
 
 SCRIPT = """
 import json, ray, torch
-from operators.devices import DeviceError, local_device
+from operators.common.devices import DeviceError, local_device
 ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
 
 @ray.remote

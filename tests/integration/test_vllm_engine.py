@@ -263,7 +263,7 @@ def test_stop_tokens_of_the_generation_config_end_responses(engine, tiny_model_p
     import json
     import shutil
 
-    from operators.prompts import stop_token_ids
+    from operators.common.prompts import stop_token_ids
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_path, model)

@@ -224,7 +224,7 @@ def test_a_generate_actor_whose_input_ran_out_leaves_the_plane_and_later_version
     import ray
     from ray.data import ActorPoolStrategy
 
-    from operators.generate import Generate
+    from operators.stages.generate import Generate
     from operators.weights.gloo_plane import GlooSender
     from operators.weights.store import PolicyStoreClient
 

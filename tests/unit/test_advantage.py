@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from operators.advantage import Advantage
+from operators.stages.advantage import Advantage
 from operators.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     STEP_WHITENED,

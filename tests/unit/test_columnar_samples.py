@@ -17,7 +17,7 @@ import torch
 from operators.algorithms.batching import packed_inputs, token_batch
 from operators.algorithms.columns import Ragged
 from operators.algorithms.step_batch import explode, shard, split_critic_samples, step_normalisers, subset
-from operators.tables import rollouts_table, to_parquet
+from operators.stages.tables import rollouts_table, to_parquet
 
 
 def mixed_groups() -> list[dict]:

@@ -76,7 +76,7 @@ def test_corrupt_dataset_named(tmp_path):
 
 
 def test_reward_function_missing_attribute(tmp_path):
-    problems = problems_of(tmp_path, {"reward": {"functions": [{"name": "operators.reward:nope"}]}})
+    problems = problems_of(tmp_path, {"reward": {"functions": [{"name": "operators.stages.reward:nope"}]}})
     assert "has no attribute 'nope'" in problems["reward.functions.0.name"]
 
 
@@ -149,7 +149,7 @@ def test_builtin_names_match_the_registries_and_validation_does_not_import_torch
     from pipelines.config.world import ALGORITHM_REGISTRIES
 
     modules = {module for registries in ALGORITHM_REGISTRIES.values() for module, _ in registries}
-    for module in sorted(modules | {"operators.algorithms.correction", "operators.reward"}):
+    for module in sorted(modules | {"operators.algorithms.correction", "operators.stages.reward"}):
         loaded = __import__("importlib").import_module(module)
         for attribute in [name for name, value in vars(loaded).items() if isinstance(value, Registry)]:
             names = tuple(registry_of(module, attribute).names())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from operators.faults import FaultPoints
+from operators.common.faults import FaultPoints
 
 
 def test_unarmed_without_the_variables_and_armed_points_fire_once(tmp_path):

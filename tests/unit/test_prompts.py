@@ -1,4 +1,4 @@
-"""Prompts rendered in one place (operators/prompts.py): text or chat messages, a system prompt, the chat
+"""Prompts rendered in one place (operators/common/prompts.py): text or chat messages, a system prompt, the chat
 template with the generation prompt, lengths counted as rendered, stop tokens from the generation config."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from operators.prompts import (
+from operators.common.prompts import (
     PromptError, PromptFormat, PromptRenderer, cut_at_stop, message_problem, stop_token_ids,
 )
 from pipelines.config.base import ConfigError
@@ -184,7 +184,7 @@ def test_prompt_length_is_checked_with_the_template_applied(tmp_path, chatml_tok
 
 
 def test_generate_renders_messages_and_records_the_rendered_prompt(tiny_model_path):
-    from operators.generate import Generate
+    from operators.stages.generate import Generate
 
     generate = Generate(tiny_model_path, engine="hf", n=2, max_new_tokens=3, system_prompt="")
     batch = pd.DataFrame({"prompt": [[{"role": "user", "content": "3+4="}], [{"role": "user", "content": "1+2="}]]})

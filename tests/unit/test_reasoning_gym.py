@@ -1,5 +1,5 @@
 """reasoning_gym:<task> prompt datasets (pipelines/data/reasoning_tasks.py), the reasoning_gym and answer_format
-rewards (operators/task_answers.py), and the config problems they report before anything starts."""
+rewards (operators/common/task_answers.py), and the config problems they report before anything starts."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from operators.reward import REWARD_FUNCTIONS
-from operators.task_answers import (
+from operators.stages.reward import REWARD_FUNCTIONS
+from operators.common.task_answers import (
     ANSWER_FORMAT, ANSWER_FORMATS, SYSTEM_PROMPT, entry_from_json, entry_to_json, extract_answer,
 )
 from pipelines.data import reasoning_tasks

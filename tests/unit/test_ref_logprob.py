@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from operators.generate import Generate
+from operators.stages.generate import Generate
 from operators.algorithms.chunking import length_sorted_chunks
-from operators.ref_logprob import RefLogprob
+from operators.stages.ref_logprob import RefLogprob
 from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
 

@@ -7,7 +7,7 @@ also enforces admission control against the policy store:
                    compute=ray.data.ActorPoolStrategy(size=2), batch_format="pandas")
 
 Input rows need a `prompt` column: text, or chat messages (a list of `{role, content}`), rendered by
-`operators.prompts.PromptRenderer` with `chat_template` ("auto": the tokenizer's chat template for
+`operators.common.prompts.PromptRenderer` with `chat_template` ("auto": the tokenizer's chat template for
 messages or with a `system_prompt`; "none"; or a Jinja file) and `system_prompt`. If a row has `train_step` and a policy store is given,
 the group is generated only once the engine holds a version >= train_step - max_staleness (`_admit`,
 the one staleness gate), with the newest weights the plane has brought (operators/weights/plane.py). Output adds `prompt_token_ids`, `prompt_text` (the prompt
@@ -35,7 +35,7 @@ staleness counts) and `policy_version_max` the newest. `time_weight_sync` is the
 pauses the group sat through. The HF engine is call-synchronous: one call at a time per actor.
 
 **Multi-turn** (`environment=...`, in flight only): each of a row's `n` responses is an episode
-(operators/environment.py; `RolloutLoop.submit_episodes`): the model's turns alternate with the
+(operators/environments/environment.py; `RolloutLoop.submit_episodes`): the model's turns alternate with the
 environment's observations, every turn a request of its own. The response tokens hold both;
 `loss_masks` marks the model's (1) and the observations' (0), and the rows add `turns`,
 `num_turns`, `episode_ends`, `env_rewards`, `tool_calls`, `tool_errors`, `env_errors`
@@ -55,9 +55,9 @@ import pandas as pd
 
 from operators.engines.base import SamplingParams
 from operators.engines.factory import make_engine, make_in_flight_engine
-from operators.faults import FaultPoints
-from operators.plain import plain
-from operators.prompts import PromptFormat, PromptRenderer, is_messages
+from operators.common.faults import FaultPoints
+from operators.common.plain import plain
+from operators.common.prompts import PromptFormat, PromptRenderer, is_messages
 
 
 class Generate:
@@ -90,11 +90,11 @@ class Generate:
     ):
         """`policy_version`: the version of the weights in `model_path` (0 for the base model; a
         checkpoint's step when evaluating it), recorded in every row and part of the sampling seed.
-        `environment` (in flight only): run multi-turn episodes with it (operators/environment.py;
+        `environment` (in flight only): run multi-turn episodes with it (operators/environments/environment.py;
         a builtin name such as "tools", or 'module:Class', built with `environment_options`), at most
         `max_turns` turns of at most `max_new_tokens` tokens each and `max_episode_tokens` tokens after
         the prompt per episode. `chat_template` and `system_prompt`: how prompts are rendered
-        (operators/prompts.py)."""
+        (operators/common/prompts.py)."""
         self.rollout = None
         self.model_path = model_path
         self.prompt_format = PromptFormat(chat_template, system_prompt)
@@ -104,7 +104,7 @@ class Generate:
             if not in_flight:
                 raise ValueError("an environment needs in_flight=True: every turn is a request to the in-flight "
                                  "engine (engine 'vllm', or an engine class with `stream`)")
-            from operators.environment import EnvironmentFactory, resolve_environment
+            from operators.environments.environment import EnvironmentFactory, resolve_environment
 
             resolve_environment(environment)  # fail here, with the fix, not in the first episode
             self.environment = EnvironmentFactory(environment, environment_options)
@@ -194,7 +194,7 @@ class Generate:
         version = self.rollout.version
         seeds = [self._group_seed(uid, version, params.n) for uid in uids]
         if self.environment is not None:
-            from operators.reward import PIPELINE_COLUMNS
+            from operators.stages.reward import PIPELINE_COLUMNS
 
             columns = [c for c in batch.columns if c not in PIPELINE_COLUMNS]
             rows = [{c: plain(v) for c, v in row.items()} for row in batch[columns].to_dict("records")]
@@ -215,7 +215,7 @@ class Generate:
                 future.cancel()
 
     def _encode(self, batch: pd.DataFrame) -> list[list[int]]:
-        """The prompts' token ids, rendered (operators/prompts.py); sets the batch's `prompt_text`. Text
+        """The prompts' token ids, rendered (operators/common/prompts.py); sets the batch's `prompt_text`. Text
         prompts with no template to apply are the engine's own `encode` (any engine class has one)."""
         prompts = list(batch["prompt"])
         default = self.prompt_format == PromptFormat()

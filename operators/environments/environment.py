@@ -24,7 +24,7 @@ with the error recorded (counted as `env_errors`); the job goes on.
 
 Tools are the builtin environment "tools" (`ToolEnvironment`): plain Python functions, called
 when the model's turn ends with a call in the declared format, in a sandbox child process with a
-per-call timeout (operators/sandbox.py, as reward functions). A tool that raises, hangs or does
+per-call timeout (operators/environments/sandbox.py, as reward functions). A tool that raises, hangs or does
 not return a string gives an error observation (counted as `tool_errors`), never a dead job.
 """
 
@@ -120,7 +120,7 @@ def resolve_environment(name: str) -> type:
     missing = [method for method in ("reset", "step") if not callable(getattr(cls, method, None))]
     if missing:
         raise TypeError(f"environment {name!r} has no {' or '.join(missing)} method; an environment is a class "
-                        "with reset(row) and step(turn) -> EnvStep (operators/environment.py)")
+                        "with reset(row) and step(turn) -> EnvStep (operators/environments/environment.py)")
     return cls
 
 
@@ -165,14 +165,14 @@ class EnvironmentFactory:
 # --- tools ----------------------------------------------------------------------------------------
 
 class SandboxPool:
-    """`size` sandbox children for one tool set (operators/sandbox.py, Sandbox of kind "tool"), each
+    """`size` sandbox children for one tool set (operators/environments/sandbox.py, Sandbox of kind "tool"), each
     started on its first call, reused, and replaced after a call that timed out: up to `size` tool calls
     run at once (episodes wait for a free child), so one slow call never holds every episode."""
 
     def __init__(self, tools: Sequence[str], size: int, limits=None):
         import queue
 
-        from operators.sandbox import Sandbox, SandboxLimits
+        from operators.environments.sandbox import Sandbox, SandboxLimits
 
         self.sandboxes = [Sandbox(list(tools), "tool", limits or SandboxLimits()) for _ in range(size)]
         self._free: queue.Queue = queue.Queue()
@@ -203,7 +203,7 @@ class SandboxPools:
         self._lock = threading.Lock()  # episodes' tool calls run in several threads at once
 
     def get(self, tools: Sequence[str], size: int = 4, limits=None) -> SandboxPool:
-        """The pool for these tools (and limits: an operators.sandbox.SandboxLimits)."""
+        """The pool for these tools (and limits: an operators.environments.sandbox.SandboxLimits)."""
         key = (tuple(tools), int(size), limits)
         with self._lock:
             if key not in self._pools:
@@ -227,7 +227,7 @@ class ToolEnvironment:
     (only "error" with `error_detail` False, for a vocabulary that cannot spell the details).
     `max_result_chars` cuts a long result. `sandboxes`: sandbox processes per generate actor, shared by
     its episodes (tool calls that run at once). `limits`: what each sandbox child may use
-    (operators.sandbox.SandboxLimits; a job passes its `sandbox` config's). `sandbox_pools`: where the
+    (operators.environments.sandbox.SandboxLimits; a job passes its `sandbox` config's). `sandbox_pools`: where the
     sandboxes come from (the EnvironmentFactory's, shared by the actor's episodes); without it, the
     environment makes its own on its first call and stops them on `close()`."""
 
@@ -320,7 +320,7 @@ class ToolEnvironment:
 
 
 def sandbox_tool_result(fn: Callable[..., str], args: list, kwargs: dict) -> str:
-    """A tool's result in the sandbox child (operators/sandbox.py); it must be a string."""
+    """A tool's result in the sandbox child (operators/environments/sandbox.py); it must be a string."""
     result = fn(*args, **kwargs)
     if not isinstance(result, str):
         raise TypeError(f"tool {getattr(fn, '__name__', fn)!r} returned {type(result).__name__}, not a string")

@@ -3,7 +3,7 @@ states and the LM head is applied a chunk of positions at a time
 (operators.algorithms.losses.chunked_token_logprobs), so only one chunk's [B, C, V] logits exist at once.
 
 Shared by the trainer's ranks (operators/workers/train_worker.py, with a graph, under ZeRO), the reference
-model (operators/ref_logprob.py) and the HF engine (operators/engines/hf.py), which score without one.
+model (operators/stages/ref_logprob.py) and the HF engine (operators/engines/hf.py), which score without one.
 """
 
 from __future__ import annotations

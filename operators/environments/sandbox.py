@@ -1,4 +1,4 @@
-"""The sandbox: reward functions (operators/reward.py) and tools (operators/environment.py) run by name
+"""The sandbox: reward functions (operators/stages/reward.py) and tools (operators/environments/environment.py) run by name
 in a child process, so that one that hangs, crashes or runs away costs its call, not the job.
 
 What the child gets (see `SandboxLimits`):
@@ -41,10 +41,10 @@ ENV_ALLOW = ("PATH", "HOME", "LANG", "TZ", "PYTHONPATH", "PYTHONHASHSEED", "TMPD
 ENV_SET = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # kind -> (resolve 'module:function' of a name, run 'module:function' (fn, first, kwargs) -> JSON value).
-# Strings, so this module imports neither operators.reward nor operators.environment.
+# Strings, so this module imports neither operators.stages.reward nor operators.environments.environment.
 KINDS = {
-    "reward": ("operators.reward:resolve_reward_function", "operators.reward:sandbox_scores"),
-    "tool": ("operators.environment:resolve_tool", "operators.environment:sandbox_tool_result"),
+    "reward": ("operators.stages.reward:resolve_reward_function", "operators.stages.reward:sandbox_scores"),
+    "tool": ("operators.environments.environment:resolve_tool", "operators.environments.environment:sandbox_tool_result"),
 }
 
 _GIB, _MIB = 1 << 30, 1 << 20
@@ -213,7 +213,7 @@ def child_main(spec: dict) -> None:
 # it cannot give the child its own environment, session or namespace, and re-imports the parent's
 # __main__ (a user's script, or Ray's worker).
 _BOOT = "import json, sys; spec = json.loads(sys.argv[1]); sys.path[:] = spec['sys_path']; " \
-        "from operators.sandbox import child_main; child_main(spec)"
+        "from operators.environments.sandbox import child_main; child_main(spec)"
 
 
 # --- the parent -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ step's return targets, beside the policy ranks; their state goes into the checkp
 `critic/` folder.
 
 The pure parts live beside it: how the step's batch is made and cut in operators/algorithms/step_batch.py,
-the metric families in operators/train_metrics.py, the rollouts table in operators/tables.py; the ranks in
+the metric families in operators/stages/train_metrics.py, the rollouts table in operators/stages/tables.py; the ranks in
 operators/workers/.
 """
 
@@ -45,9 +45,9 @@ from operators.algorithms.step_batch import (
     subset,
     token_masks,
 )
-from operators.durable import write_atomic
-from operators.tables import StepRollouts, rollouts_table
-from operators.train_metrics import (
+from operators.common.durable import write_atomic
+from operators.stages.tables import StepRollouts, rollouts_table
+from operators.stages.train_metrics import (
     critic_metrics,
     dynamic_sampling_metrics,
     rank_metrics,
@@ -275,7 +275,7 @@ class Train:
 
     def _metrics(self, step: int, table: pd.DataFrame, rows: list[dict], dropped: dict[str, str], results: list[dict],
                  critic_results: list[dict], waited: float, start: float, end: float) -> dict:
-        """The step's metrics row (operators/train_metrics.py's families, and the trainer's own figures)."""
+        """The step's metrics row (operators/stages/train_metrics.py's families, and the trainer's own figures)."""
         return {
             # The step as users read it everywhere (terminal, MLflow, checkpoints, lineage, group ids): 1 for
             # the first; it is the policy version the step produced. `train_step` in the rows, the ledger and

@@ -30,7 +30,7 @@ ROLLOUT_COLUMNS = [
     "prompt_text", "responses", "response_token_ids", "response_lengths", "token_policy_versions", "rewards", "advantages", "reward_errors",
     "reward_timeouts", "used", "dropped", "generator_id",
 ]
-# Multi-turn episodes (operators/environment.py): each episode's turns (JSON: text, tool_call, observation,
+# Multi-turn episodes (operators/environments/environment.py): each episode's turns (JSON: text, tool_call, observation,
 # reward, error, ended_by, tokens, version), turn count, what ended it, the environment's reward, and per
 # response token 1 (the policy's) or 0 (an observation's).
 EPISODE_COLUMNS = ["loss_masks", "turns", "num_turns", "episode_ends", "env_rewards", "tool_calls", "tool_errors", "env_errors"]

@@ -15,7 +15,7 @@ loaded once per actor, on the GPU Ray gave the actor if any, and never trained; 
 are scored in chunks of at most `micro_batch_tokens` tokens, packed into rows (`packing`, the
 default: little padding; `share_prompts`: each group's prompt once, before its responses) or length-sorted
 and padded, and within a chunk the LM head runs on at most `logits_chunk_tokens` positions at a time, as in the trainer
-(operators/logprobs.py), so the [B, L, V] logits are never held at once. All other columns pass
+(operators/algorithms/logprobs.py), so the [B, L, V] logits are never held at once. All other columns pass
 through.
 """
 
@@ -49,7 +49,7 @@ class RefLogprob:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         torch.set_num_threads(torch_threads)
         self.torch = torch
-        from operators.devices import local_device, refuse_zero3_partitioned_build
+        from operators.common.devices import local_device, refuse_zero3_partitioned_build
 
         self.device = local_device(torch, role="the reference model")  # its GPU from Ray, else the CPU
         refuse_zero3_partitioned_build("the reference model")  # a ZeRO-3 rank in this process would shard it
@@ -102,7 +102,7 @@ class RefLogprob:
 
     def _score_packed(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """The sequences packed into rows (operators/algorithms/batching.py: packed_inputs)."""
-        from operators.logprobs import next_token_logprobs
+        from operators.algorithms.logprobs import next_token_logprobs
 
         packed = packed_inputs([p + r for p, r in sequences], self.pad_id, self.one_row).to(self.device)
         logprobs = next_token_logprobs(self.model, packed.input_ids, None, self.temperature, self.logits_chunk_tokens,
@@ -113,7 +113,7 @@ class RefLogprob:
     def _score_shared(self, sequences: list[tuple[list[int], list[int]]], width_limit: int) -> list[list[float]]:
         """Each prompt laid out once before its responses (operators/algorithms/shared_prompts.py), in units cut at
         `width_limit` (the step's, as its micro-batches were planned)."""
-        from operators.logprobs import logprobs_at
+        from operators.algorithms.logprobs import logprobs_at
 
         shared = shared_prompt_inputs([p for p, _ in sequences], [r for _, r in sequences], self.pad_id,
                                       self.micro_batch_tokens, width_limit)
@@ -125,7 +125,7 @@ class RefLogprob:
 
     def _score_chunk(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """The sequences right-padded to the longest."""
-        from operators.logprobs import next_token_logprobs
+        from operators.algorithms.logprobs import next_token_logprobs
 
         torch = self.torch
         width = max(len(p) + len(r) for p, r in sequences)

@@ -8,10 +8,10 @@ with them (TRL's convention) and returns one float (or None) per completion:
 Builtins are registered by name; anything else is named 'package.module:function'.
 A function that raises, or returns None for a sample, never kills the job: the affected
 samples get `on_error` and are counted in the `reward_errors` column. With a timeout the
-functions run in a sandbox child process (operators/sandbox.py), so one that hangs or runs away
+functions run in a sandbox child process (operators/environments/sandbox.py), so one that hangs or runs away
 costs its batch `on_error` (counted in `reward_timeouts` when it hung), not the job.
 
-Multi-turn rows (operators/environment.py) carry `env_rewards`, the environment's own rewards per
+Multi-turn rows (operators/environments/environment.py) carry `env_rewards`, the environment's own rewards per
 episode: they are added to the functions' sum.
 """
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from operators.algorithms.registry import Registry
-from operators.sandbox import Sandbox, SandboxLimits
+from operators.environments.sandbox import Sandbox, SandboxLimits
 
 if TYPE_CHECKING:
     import pandas as pd  # not imported at run time: the sandbox child starts faster without it
@@ -40,7 +40,7 @@ PIPELINE_COLUMNS = frozenset({
     "responses", "response_token_ids", "behavior_logprobs", "prompt_token_ids", "prompt_text", "response_lengths",
     "policy_version", "group_uid", "train_step", "rewards", "advantages", "reward_errors", "reward_timeouts",
     "generator_id", "generate_start", "generate_end", "policy_version_max", "token_policy_versions",
-    # multi-turn episodes (operators/environment.py)
+    # multi-turn episodes (operators/environments/environment.py)
     "loss_masks", "turns", "num_turns", "episode_ends", "env_rewards", "tool_calls", "tool_errors", "env_errors",
 })
 
@@ -64,7 +64,7 @@ def arithmetic_exact(completions: list[str], answer: list[str], **kwargs) -> lis
 
 @REWARD_FUNCTIONS.register("tool_answer_exact")
 def tool_answer_exact(completions: list[str], answer: list[str], **kwargs) -> list[float]:
-    """A tool episode's answer (operators/environment.py, ToolEnvironment): 1.0 when the number after the
+    """A tool episode's answer (operators/environments/environment.py, ToolEnvironment): 1.0 when the number after the
     last tool result (`}`), or at the start of a completion with none, equals `answer`."""
     if len(completions) != len(answer):
         raise ValueError(f"{len(completions)} completions but {len(answer)} answers")
@@ -85,7 +85,7 @@ def reasoning_gym(completions: list[str], rg_task: list[str], rg_entry: list[str
     """A reasoning_gym:<task> dataset's own score (`score_answer`, in [0, 1]) of the answer the completion
     states; 0.0 when it states none. Needs the columns rg_task, rg_entry (and rg_options) that
     pipelines/data/reasoning_tasks.py makes."""
-    from operators.task_answers import reasoning_gym_scores
+    from operators.common.task_answers import reasoning_gym_scores
 
     return reasoning_gym_scores(completions, rg_task, rg_entry, kwargs.get("rg_options"))
 
@@ -93,7 +93,7 @@ def reasoning_gym(completions: list[str], rg_task: list[str], rg_entry: list[str
 @REWARD_FUNCTIONS.register("answer_format")
 def answer_format(completions: list[str], **kwargs) -> list[float]:
     """1.0 when the completion states an answer in the declared format, else 0.0 (right or wrong)."""
-    from operators.task_answers import format_scores
+    from operators.common.task_answers import format_scores
 
     return format_scores(completions)
 
@@ -153,7 +153,7 @@ def score_values(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) 
 
 
 def sandbox_scores(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> list[float | None]:
-    """`score_values` as the sandbox child replies it (operators/sandbox.py): JSON numbers, None for the
+    """`score_values` as the sandbox child replies it (operators/environments/sandbox.py): JSON numbers, None for the
     samples that failed (NaN and infinities are not JSON)."""
     return [float(value) if np.isfinite(value) else None for value in score_values(fn, completions, kwargs)]
 
@@ -175,7 +175,7 @@ class Reward:
     `timestamps=True`, also the call's wall-clock interval `reward_start`, `reward_end` (the RL
     pipeline's, from which benchmarks/loop_latency.py measures the hops between stages).
 
-    `timeout_s` > 0 runs the functions in a sandbox child process (operators/sandbox.py, with
+    `timeout_s` > 0 runs the functions in a sandbox child process (operators/environments/sandbox.py, with
     `limits`), started on the first call and reused: a call (one function, the whole batch) that does not
     answer within `timeout_s` has its child killed and replaced, and that function's samples
     of the batch get `on_error` (no sample-by-sample retry, which could cost n x timeout).

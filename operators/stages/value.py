@@ -45,7 +45,7 @@ class Value:
         import torch
         from transformers import AutoModelForTokenClassification
 
-        from operators.devices import local_device, refuse_zero3_partitioned_build
+        from operators.common.devices import local_device, refuse_zero3_partitioned_build
 
         torch.set_num_threads(torch_threads)
         self.torch = torch

@@ -2,7 +2,7 @@
 
 One declared format (`ANSWER_FORMAT`) and the system prompt that asks for it (`SYSTEM_PROMPT`) are defined
 here and nowhere else: configs quote `SYSTEM_PROMPT` as `data.system_prompt`, the builtin rewards
-`reasoning_gym` and `answer_format` (operators/reward.py) read answers with `extract_answer`.
+`reasoning_gym` and `answer_format` (operators/stages/reward.py) read answers with `extract_answer`.
 benchmarks/task_base_rates.py measured the formats of `ANSWER_FORMATS` on SmolLM2-135M-Instruct
 (benchmarks/results/task_base_rates.json): asked by the system prompt, it states an answer in <answer> tags or on
 an 'Answer:' line almost never (0-1% of samples, at temperature 1 and 0.7), but ends with 'The answer is N.' in
