@@ -3,6 +3,7 @@ log-probs at the start?
 
     python benchmarks/real_model.py learn configs/smollm2_basic_arithmetic.yaml
     python benchmarks/real_model.py mismatch configs/smollm2_basic_arithmetic.yaml
+    python benchmarks/real_model.py race configs/smollm2_basic_arithmetic.yaml [--modes 0,default,2 --seeds 3 --every 4]
     python benchmarks/real_model.py learn configs/smollm2_basic_arithmetic.yaml --name smollm2_basic_arithmetic_bf16 \
         --set output_dir=runs/smollm2_bf16 --set train.dtype=bf16 --set train.zero_stage=1 --set rollout.vllm.dtype=bfloat16
 
@@ -17,6 +18,10 @@ the rise from step 0 to the best and to the last evaluation.
 mismatch_k3 (E[rho - 1 - log rho] over response tokens, rho = pi_trainer / pi_vLLM), rho at p50 / p99 /
 max / min, and the PPO ratio's mean and range, into benchmarks/results/<config>_mismatch.json.
 
+`race` (benchmarks/race.py) is time to quality: the config in several modes (max_staleness 0, the config's,
+2) over several seeds, one run after another, held-out accuracy scored on each run's checkpoints after the
+run; the wall time to step 0 + 0.15 and to 0.85 per mode, into benchmarks/results/<config>_race.json / .png.
+
 Figures move with machine load: run nothing else beside it.
 """
 
@@ -24,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import race as race_mode
+from benchmarks.race import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MISMATCH_METRICS = ("mismatch_k3", "mismatch_k1", "is_ratio_p50", "is_ratio_p99", "is_ratio_max", "is_ratio_min",
@@ -44,13 +51,6 @@ def _job(config: str, overrides: list[str], echo=print):
     return cfg, result, time.perf_counter() - started
 
 
-def _machine() -> dict:
-    import os
-
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
-
-
 def learn(config: str, overrides: list[str], name: str | None = None) -> dict:
     cfg, result, wall = _job(config, overrides)
     evals = result.eval_metrics.sort_values("step").reset_index(drop=True)  # step v: policy version v
@@ -63,7 +63,7 @@ def learn(config: str, overrides: list[str], name: str | None = None) -> dict:
         "command": f"python benchmarks/real_model.py learn {config}" + (f" --name {name}" if name != Path(config).stem
                                                                          else "")
                    + "".join(f" --set {o}" for o in overrides),
-        **_machine(), "run_id": result.run_id, "wall_s": round(wall, 1), "steps": int(len(result.metrics)),
+        **machine(), "run_id": result.run_id, "wall_s": round(wall, 1), "steps": int(len(result.metrics)),
         "accuracy_metric": key, "accuracy_step0": first, "accuracy_last": last, "accuracy_best": best,
         "rise_last": round(last - first, 4), "rise_best": round(best - first, 4),
         "eval": evals.to_dict("records"),
@@ -119,7 +119,7 @@ def mismatch(config: str, overrides: list[str]) -> dict:
         runs[dtype]["wall_s"] = round(wall, 1)
         print(f"{dtype}: " + ", ".join(f"{k} {v:.6g}" for k, v in runs[dtype].items()))
     record = {"command": f"python benchmarks/real_model.py mismatch {config}" + "".join(f" --set {o}" for o in overrides),
-              **_machine(), "step": 0, "runs": runs}
+              **machine(), "step": 0, "runs": runs}
     out = RESULTS / f"{Path(config).stem}_mismatch.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(out)
@@ -128,13 +128,16 @@ def mismatch(config: str, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["learn", "mismatch"])
+    parser.add_argument("what", choices=["learn", "mismatch", "race"])
     parser.add_argument("config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE, as streamrl run")
     parser.add_argument("--name", help="learn: the results' file stem (default: the config's), for a variant such as "
                                        "another dtype")
+    race_mode.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.what == "learn":
+    if args.what == "race":
+        race_mode.from_arguments(args)
+    elif args.what == "learn":
         learn(args.config, args.overrides, args.name)
     else:
         mismatch(args.config, args.overrides)

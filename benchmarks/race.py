@@ -1,0 +1,183 @@
+"""Time to quality: a config run in several modes, one after another, over several seeds, with the held-out
+accuracy measured on each run's checkpoints after the run, so the measurement never slows what it measures.
+
+    python benchmarks/real_model.py race configs/smollm2_basic_arithmetic.yaml
+    python benchmarks/race.py configs/smollm2_basic_arithmetic.yaml --modes 0,default,2 --seeds 3 --every 4
+
+Each run is the config as `streamrl run` runs it, with `train.max_staleness` set by the mode (`default`: the
+config's own), `train.seed` by the seed, no evaluation in the job (`eval=null`), a checkpoint with its Hugging
+Face folder every `--every` steps and after the last, and tracking off (the record is the JSON below). The
+wall time of a step is from the job's start (Ray, engines, ranks: start-up counts) to the end of that step's
+training. After each run one evaluator (the config's `eval` section: its held-out data, engine and
+max_new_tokens; greedy decoding) loads each checkpoint's weights in turn and scores the held-out prompts;
+version 0 (the model before training) is scored once per race.
+
+It writes benchmarks/results/<name>_race.json (every run's points, each mode's median curve with the seeds'
+spread, and the headline: the wall time to reach step 0 + 0.15 and to reach 0.85, per seed and the median;
+`None` = never reached) and benchmarks/results/<name>_race.png (accuracy against wall time and against steps,
+one curve a mode). Figures move with machine load: run nothing else beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import race_curves
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("0", "default", "2")
+RISE, TARGET = 0.15, 0.85
+
+
+def run_overrides(mode: str, seed: int, every: int, output_dir: Path) -> list[str]:
+    """What a race run sets on top of the config and the user's --set."""
+    staleness = [] if mode == "default" else [f"train.max_staleness={int(mode)}"]
+    return [*staleness, f"train.seed={seed}", "eval=null", f"train.checkpoint_every={every}",
+            "train.checkpoint_keep=0", "train.checkpoint_hf_export=every", "tracking.enabled=false",
+            f"output_dir={output_dir}"]
+
+
+def run_once(config: str, overrides: list[str], mode: str, seed: int, every: int, output_dir: Path, echo=print) -> dict:
+    """One timed run: its steps' wall times from the job's start and its checkpoints."""
+    from pipelines.config.load import load_config
+    from pipelines.job import run_job
+    from pipelines.recovery.checkpoint import CheckpointDir
+
+    cfg = load_config(config, [*overrides, *run_overrides(mode, seed, every, output_dir)])
+    start = time.time()
+    result = run_job(cfg, echo=echo)
+    wall = time.time() - start
+    step_end = {int(row["step"]): json.loads(row["timeline"])["train"][1] - start
+                for row in result.metrics.to_dict("records")}
+    checkpoints = [{"step": step, "path": str(path)}
+                   for step, path in CheckpointDir.of_run(result.output_dir, result.resume_id).steps()]
+    return {"mode": mode, "seed": seed, "max_staleness": int(cfg.train.max_staleness), "wall_s": round(wall, 1),
+            "first_step_s": round(step_end.get(1, float("nan")), 1), "steps": len(step_end),
+            "step_end_s": {str(k): round(v, 2) for k, v in sorted(step_end.items())}, "checkpoints": checkpoints,
+            "model_path": result.model_path}
+
+
+def checkpoint_weights(folder: str) -> dict:
+    """A checkpoint's policy (its Hugging Face folder) as fp32 arrays under the trainer's names (tied
+    tables included: from_pretrained restores them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    return {name: tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
+
+
+def evaluate(config: str, overrides: list[str], model_path: str, versions: list[tuple[int, str | None]],
+             echo=print) -> dict[int, float]:
+    """Greedy held-out accuracy of each (version, checkpoint folder or None for the model itself), one
+    evaluator and one engine for all of them."""
+    from pipelines.config.load import load_config
+    from pipelines.evaluation.in_training import EvalSettings, Evaluator, load_eval_prompts
+    from pipelines.runtime.session import ray_session
+    from pipelines.stages import engine_options
+
+    cfg = load_config(config, [*overrides, "eval.n=0", "eval.greedy=true", "tracking.enabled=false"])
+    if cfg.eval is None:
+        raise SystemExit(f"{config}: the race scores held-out prompts: the config needs an eval section")
+    settings = EvalSettings.of(cfg)
+    prompts, _ = load_eval_prompts(cfg, model_path, echo)
+    scores = {}
+    with ray_session(cfg):
+        evaluator = Evaluator(prompts, settings, model_path, engine_options(cfg, settings.engine))
+        try:
+            for version, folder in versions:
+                started = time.perf_counter()
+                if folder is not None:
+                    evaluator.generate.load_policy(version, checkpoint_weights(folder))
+                metrics = evaluator.evaluate(version)["metrics"]
+                scores[version] = float(metrics["eval/greedy_success_rate"])
+                echo(f"race: version {version}: held-out greedy {scores[version]:.3f} "
+                     f"({time.perf_counter() - started:.0f}s)")
+        finally:
+            evaluator.generate.close()
+    return scores
+
+
+def race(config: str, overrides: list[str], modes: list[str], seeds: int, every: int, name: str,
+         results: Path = RESULTS, scratch: Path = Path("runs/race"), echo=print) -> dict:
+    results.mkdir(parents=True, exist_ok=True)
+    record = {"command": _command(config, overrides, modes, seeds, every, name), **machine(), "config": config,
+              "modes": modes, "seeds": seeds, "every": every, "rise": RISE, "target": TARGET, "runs": []}
+    out = results / f"{name}_race.json"
+    for mode in modes:
+        for seed in range(seeds):
+            echo(f"race: mode {mode}, seed {seed}")
+            run = run_once(config, overrides, mode, seed, every, scratch / f"{name}-{mode}-s{seed}", echo)
+            if "step0_accuracy" not in record:
+                record["step0_accuracy"] = evaluate(config, overrides, run["model_path"], [(0, None)], echo)[0]
+            saved = [(point["step"], point["path"]) for point in run["checkpoints"]]
+            scores = evaluate(config, overrides, run["model_path"], saved, echo)
+            run["points"] = [{"step": 0, "wall_s": 0.0, "accuracy": record["step0_accuracy"]}] + [
+                {"step": step, "wall_s": run["step_end_s"][str(step)], "accuracy": scores[step]} for step, _ in saved]
+            record["runs"].append(run)
+            out.write_text(json.dumps(record, indent=1) + "\n")  # a partial record survives a stopped race
+    summarize(record, results / f"{name}_race.png", title=f"{name}: {config}")
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    for mode, figures in record["headline"].items():
+        echo(f"race: max_staleness {mode}: to {figures['rise_threshold']:.3f} "
+             f"{race_curves.say(figures['median_wall_s_to_rise'])}, to {TARGET} "
+             f"{race_curves.say(figures['median_wall_s_to_target'])} (median of {seeds})")
+    echo(f"race: {out}, {results / f'{name}_race.png'}")
+    return record
+
+
+def summarize(record: dict, picture: Path, title: str) -> None:
+    """Add each mode's curve and headline figures to `record` and draw the picture."""
+    base = record["step0_accuracy"]
+    curves, heads = {}, {}
+    for mode in record["modes"]:
+        runs = [run for run in record["runs"] if run["mode"] == mode]
+        label = mode if mode != "default" else f"default ({runs[0]['max_staleness']})"
+        curves[label] = race_curves.mode_curve(runs)
+        heads[label] = race_curves.headline(runs, base, TARGET, RISE)
+    record["curves"], record["headline"] = curves, heads
+    race_curves.plot(curves, picture, title, base, TARGET, RISE)
+    record["picture"] = picture.name
+
+
+def _command(config, overrides, modes, seeds, every, name) -> str:
+    return (f"python benchmarks/real_model.py race {config} --modes {','.join(modes)} --seeds {seeds} --every {every}"
+            f" --name {name}" + "".join(f" --set {o}" for o in overrides))
+
+
+def machine() -> dict:
+    """Where a record was measured."""
+    import os
+
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated max_staleness values; 'default' is the config's (default: 0,default,2)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per mode (train.seed 0, 1, ...; default 3)")
+    parser.add_argument("--every", type=int, default=4, help="checkpoint (and score) every this many steps (default 4)")
+
+
+def from_arguments(args: argparse.Namespace) -> dict:
+    return race(args.config, args.overrides, args.modes.split(","), args.seeds, args.every,
+                args.name or Path(args.config).stem)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE, as streamrl run")
+    parser.add_argument("--name", help="the results' file stem (default: the config's)")
+    add_arguments(parser)
+    from_arguments(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # vLLM starts its engine with spawn
+    sys.exit(main())

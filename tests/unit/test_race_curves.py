@@ -1,0 +1,42 @@
+"""The time-to-quality race's arithmetic (benchmarks/race_curves.py), by hand."""
+
+from __future__ import annotations
+
+from benchmarks.race_curves import first_reach, headline, median_reach, mode_curve
+
+
+def run(points):
+    return {"points": [{"step": s, "wall_s": w, "accuracy": a} for s, w, a in points]}
+
+
+def test_first_reach_is_the_first_evaluated_step_at_or_above_the_threshold():
+    points = run([(0, 0.0, 0.2), (4, 100.0, 0.5), (8, 180.0, 0.4), (12, 250.0, 0.9)])["points"]
+    assert first_reach(points, 0.35) == 100.0
+    assert first_reach(points, 0.35, "step") == 4
+    assert first_reach(points, 0.9) == 250.0  # equal counts
+    assert first_reach(points, 0.95) is None
+
+
+def test_a_seed_that_never_reaches_counts_as_infinitely_late():
+    assert median_reach([100.0, None, 300.0]) == 300.0
+    assert median_reach([100.0, None, None]) is None
+    assert median_reach([100.0, 200.0]) == 150.0
+    assert median_reach([100.0, None]) is None
+    assert median_reach([]) is None
+
+
+def test_a_modes_curve_is_the_seeds_median_with_their_spread():
+    runs = [run([(0, 0.0, 0.2), (4, 90.0, 0.4)]), run([(0, 0.0, 0.2), (4, 110.0, 0.6)]),
+            run([(0, 0.0, 0.2), (4, 100.0, 0.9)])]
+    curve = mode_curve(runs)
+    assert curve[1] == {"step": 4, "seeds": 3, "accuracy": 0.6, "accuracy_min": 0.4, "accuracy_max": 0.9,
+                        "wall_s": 100.0}
+
+
+def test_headline_thresholds_are_from_step_0():
+    runs = [run([(0, 0.0, 0.2), (4, 90.0, 0.4), (8, 200.0, 0.86)]), run([(0, 0.0, 0.2), (4, 120.0, 0.3)])]
+    figures = headline(runs, base=0.2, target=0.85, rise=0.15)
+    assert figures["rise_threshold"] == 0.35
+    assert figures["wall_s_to_rise"] == [90.0, None] and figures["median_wall_s_to_rise"] is None
+    assert figures["wall_s_to_target"] == [200.0, None]
+    assert figures["steps_to_rise"] == [4, None]
