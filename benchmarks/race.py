@@ -32,6 +32,10 @@ from benchmarks import race_curves
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("0", "default", "2")
 RISE, TARGET = 0.15, 0.85
+# A point's scores: greedy held-out accuracy, and with the answer_format reward the share of answers stated in
+# the asked format and the accuracy among those (a rise that is only the format shows as such).
+SCORES = {"accuracy": "success_rate", "answered_rate": "answered_rate",
+          "accuracy_among_answered": "success_among_answered"}
 
 
 def run_overrides(mode: str, seed: int, every: int, output_dir: Path) -> list[str]:
@@ -73,9 +77,9 @@ def checkpoint_weights(folder: str) -> dict:
 
 
 def evaluate(config: str, overrides: list[str], model_path: str, versions: list[tuple[int, str | None]],
-             echo=print) -> dict[int, float]:
-    """Greedy held-out accuracy of each (version, checkpoint folder or None for the model itself), one
-    evaluator and one engine for all of them."""
+             echo=print) -> dict[int, dict[str, float]]:
+    """Greedy held-out scores (`SCORES`) of each (version, checkpoint folder or None for the model itself),
+    one evaluator and one engine for all of them."""
     from pipelines.config.load import load_config
     from pipelines.evaluation.in_training import EvalSettings, Evaluator, load_eval_prompts
     from pipelines.runtime.session import ray_session
@@ -95,8 +99,9 @@ def evaluate(config: str, overrides: list[str], model_path: str, versions: list[
                 if folder is not None:
                     evaluator.generate.load_policy(version, checkpoint_weights(folder))
                 metrics = evaluator.evaluate(version)["metrics"]
-                scores[version] = float(metrics["eval/greedy_success_rate"])
-                echo(f"race: version {version}: held-out greedy {scores[version]:.3f} "
+                scores[version] = {name: float(metrics[f"eval/greedy_{key}"]) for name, key in SCORES.items()
+                                   if f"eval/greedy_{key}" in metrics}
+                echo(f"race: version {version}: held-out greedy {scores[version]['accuracy']:.3f} "
                      f"({time.perf_counter() - started:.0f}s)")
         finally:
             evaluator.generate.close()
@@ -113,12 +118,13 @@ def race(config: str, overrides: list[str], modes: list[str], seeds: int, every:
         for seed in range(seeds):
             echo(f"race: mode {mode}, seed {seed}")
             run = run_once(config, overrides, mode, seed, every, scratch / f"{name}-{mode}-s{seed}", echo)
-            if "step0_accuracy" not in record:
-                record["step0_accuracy"] = evaluate(config, overrides, run["model_path"], [(0, None)], echo)[0]
+            if "step0" not in record:
+                record["step0"] = evaluate(config, overrides, run["model_path"], [(0, None)], echo)[0]
+                record["step0_accuracy"] = record["step0"]["accuracy"]
             saved = [(point["step"], point["path"]) for point in run["checkpoints"]]
             scores = evaluate(config, overrides, run["model_path"], saved, echo)
-            run["points"] = [{"step": 0, "wall_s": 0.0, "accuracy": record["step0_accuracy"]}] + [
-                {"step": step, "wall_s": run["step_end_s"][str(step)], "accuracy": scores[step]} for step, _ in saved]
+            run["points"] = [{"step": 0, "wall_s": 0.0, **record["step0"]}] + [
+                {"step": step, "wall_s": run["step_end_s"][str(step)], **scores[step]} for step, _ in saved]
             record["runs"].append(run)
             out.write_text(json.dumps(record, indent=1) + "\n")  # a partial record survives a stopped race
     summarize(record, results / f"{name}_race.png", title=f"{name}: {config}")

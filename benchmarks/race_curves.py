@@ -9,8 +9,12 @@ seeds; a seed that never reaches it counts as never, and a mode whose median see
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
+
+
+OPTIONAL = ("answered_rate", "accuracy_among_answered")  # a point's other scores, when the job has them
 
 
 def first_reach(points: list[dict], threshold: float, key: str = "wall_s") -> float | None:
@@ -40,9 +44,14 @@ def mode_curve(runs: list[dict]) -> list[dict]:
     for step in steps:
         at = [p for run in runs for p in run["points"] if p["step"] == step]
         accuracy = [p["accuracy"] for p in at]
-        curve.append({"step": step, "seeds": len(at), "accuracy": statistics.median(accuracy),
-                      "accuracy_min": min(accuracy), "accuracy_max": max(accuracy),
-                      "wall_s": statistics.median(p["wall_s"] for p in at)})
+        point = {"step": step, "seeds": len(at), "accuracy": statistics.median(accuracy),
+                 "accuracy_min": min(accuracy), "accuracy_max": max(accuracy),
+                 "wall_s": statistics.median(p["wall_s"] for p in at)}
+        for key in OPTIONAL:  # with the answer_format reward; NaN (no answer stated) counts as no figure
+            values = [p[key] for p in at if key in p and math.isfinite(p[key])]
+            if values:
+                point[key] = statistics.median(values)
+        curve.append(point)
     return curve
 
 

@@ -41,6 +41,7 @@ from pipelines.recovery.step_log import EvalRows, StepLog
 from pipelines.runtime.rollout_settings import sandbox_limits
 from pipelines.runtime.session import check_object_store, ray_session
 from pipelines.tracking.policy_model import log_final_policy
+from pipelines.tracking.startup import Phases, wall_line
 from pipelines.tracking.timeline import overlap_report
 from pipelines.tracking.tracker import NullTracker, Tracker, announce_run
 
@@ -73,15 +74,21 @@ class JobFailed(RuntimeError):
 def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | None = None) -> JobResult:
     """Run (or, with `resume` = a run id or 'latest', continue) a job. Raises ConfigError for bad
     input before anything starts, JobFailed when it stops early."""
+    started = time.time()
     run = prepare(cfg, echo, resume)
+    run.phases = Phases(started)
+    run.phases.add("prepare (model, prompts, run)", started, time.time())
     preemption = Preemption(cfg.train.on_preempt, cfg.train.preempt_grace_s, echo)
     status, run_id, tracker = "FAILED", run.run_id, run.tracker
     try:
         # After Ray's start: ray.init sets a SIGTERM handler of its own (sys.exit), which ours replaces.
+        ray_start = time.time()
         with ray_session(cfg), preemption:
+            run.phases.add("Ray", ray_start, time.time())
             check_object_store(cfg, run.model_path)  # the cluster's real object stores, before any actor starts
             run_attempts(run, preemption)
         final = report(run)
+        echo(wall_line(time.time() - started, run.phases, run.overlap, run.evaluation.rows, len(run.rows)))
         status = "FINISHED"
     except Preempted as stopped:
         status = "KILLED"
@@ -196,8 +203,9 @@ def report(run: Run):
     """After the last step: the job's overlap and weight-update metrics (MLflow and terminal), the final
     policy logged as an MLflow model if asked. Returns the final checkpoint."""
     cfg, echo, rows, loads = run.cfg, run.echo, run.rows, run.loads
+    echo(run.phases.line())
     if rows:
-        overlap = overlap_report([row["timeline"] for row in rows])
+        overlap = run.overlap = overlap_report([row["timeline"] for row in rows])
         run.tracker.log_step({"step": cfg.train.steps, **{f"job_{k}": v for k, v in overlap.items()},
                               **weight_update_summary(loads)})
         echo(f"streamrl: overlap efficiency {overlap['overlap_efficiency']:.2f} "

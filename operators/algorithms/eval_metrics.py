@@ -37,6 +37,21 @@ def _flat(rows: pd.DataFrame, column: str) -> np.ndarray:
     return np.concatenate([np.asarray(v, dtype=float) for v in rows[column]]) if len(rows) else np.array([])
 
 
+FORMAT_COLUMN = "reward_answer_format"  # the answer_format reward's per-sample scores (operators/stages/reward.py)
+
+
+def answered_metrics(rows: pd.DataFrame, success_threshold: float = 1.0, prefix: str = "") -> dict:
+    """With an `answer_format` reward: the share of samples that state an answer in the asked format
+    (`answered_rate`) and the success rate among those (`success_among_answered`, NaN when none did), so a
+    rise that is only the format shows as such. Empty without that reward."""
+    if rows.empty or FORMAT_COLUMN not in rows.columns:
+        return {}
+    answered = _flat(rows, FORMAT_COLUMN) > 0
+    success = _flat(rows, "rewards") >= success_threshold
+    return {f"{prefix}answered_rate": float(answered.mean()),
+            f"{prefix}success_among_answered": float(success[answered].mean()) if answered.any() else float("nan")}
+
+
 def summarize_sampled(rows: pd.DataFrame, success_threshold: float = 1.0, prefix: str = "eval/") -> dict:
     """reward_mean, success_rate (over all samples), pass@k per `pass_at_ks(n)` (named pass_at_K: MLflow
     refuses '@' in a metric name), response_length_mean.
@@ -54,6 +69,7 @@ def summarize_sampled(rows: pd.DataFrame, success_threshold: float = 1.0, prefix
         f"{prefix}reward_mean": float(rewards.mean()),
         f"{prefix}success_rate": float((rewards >= success_threshold).mean()),
         f"{prefix}response_length_mean": float(_flat(rows, "response_lengths").mean()),
+        **answered_metrics(rows, success_threshold, prefix),
     }
     for k in pass_at_ks(n):
         metrics[f"{prefix}pass_at_{k}"] = float(np.mean([pass_at_k(n, c, k) for c in correct]))  # pass@k
@@ -69,6 +85,7 @@ def summarize_greedy(rows: pd.DataFrame, success_threshold: float = 1.0, prefix:
         f"{prefix}greedy_reward_mean": float(rewards.mean()),
         f"{prefix}greedy_success_rate": float((rewards >= success_threshold).mean()),
         f"{prefix}greedy_response_length_mean": float(_flat(rows, "response_lengths").mean()),
+        **answered_metrics(rows, success_threshold, f"{prefix}greedy_"),
     }
 
 

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pandas as pd
 
+from operators.algorithms.eval_metrics import answered_metrics
 from operators.algorithms.step_batch import is_informative
 
 STAGES = ("generate", "weight_sync", "reward", "advantage")
@@ -51,6 +52,7 @@ def reward_metrics(table: pd.DataFrame, success_threshold: float) -> dict:
         "staleness_mean": float(table["staleness"].mean()),
         "staleness_max": int(table["staleness"].max()),
         "num_groups": len(table),
+        **answered_metrics(table, success_threshold),
         **episode_metrics(table),
     }
 

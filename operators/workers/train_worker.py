@@ -99,6 +99,7 @@ class TrainWorker:
         self.checkpointer = Checkpointer(
             self.engine, torch, rank, self._named_weights, partitioned=settings.zero_stage == 3,
             model_path=settings.model_path, trust_remote_code=settings.trust_remote_code)
+        self.initialised_at = time.time()  # wall clock: when this rank was up (the job's start-up report)
 
     def _build_model(self, settings: TrainerSettings):
         """The module this rank trains, in the training dtype; a subclass may put another head on the backbone."""
@@ -117,10 +118,11 @@ class TrainWorker:
         return self.torch.bfloat16 if self.settings.dtype == "bf16" else self.torch.float32
 
     def ready(self) -> dict:
-        """Where this rank runs (tests check placement)."""
+        """Where this rank runs (tests check placement), and when it was up (wall clock)."""
         import ray
 
-        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "initialised_at": self.initialised_at}
 
     # --- weights and checkpoints (the parts: publisher, checkpointer) --------------------------------
 

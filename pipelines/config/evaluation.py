@@ -31,6 +31,12 @@ class EvalConfig(Section):
     engine: Optional[Literal["hf", "vllm"]] = Field(
         None, description="The evaluator's engine; default rollout.engine (with its rollout.vllm settings)."
     )
+    nice: int = Field(
+        10, ge=0, le=19, description="How much lower the evaluator's CPU priority is than the job's other actors "
+        "(a niceness added to Ray's worker niceness, 15 by default, up to 19; its engine's processes inherit it): "
+        "on cores it shares with the job, the trainer and the generators go first and evaluation takes what they "
+        "leave (0: equal footing). Its actor and engine also start only after the first step is trained."
+    )
     num_cpus: float = Field(0.25, gt=0, description="CPUs reserved for the evaluator actor.")
     num_gpus: GpuCount = Field(0, description="GPUs reserved for the evaluator actor (its own engine).")
     resources: CustomResources = Field(default_factory=dict, description="Custom Ray resources of the evaluator.")

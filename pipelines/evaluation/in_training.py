@@ -9,7 +9,9 @@ training never waits for it: it asks the policy store for version v (the store k
 weights of the versions to evaluate until the evaluator has them), loads them, and scores
 the held-out prompts with the same Generate and Reward operators the DAG uses. Its cost
 is the compute it takes beside training (measured in the README); the job waits for it
-only after the last step, for the final evaluation.
+only after the last step, for the final evaluation. It starts after the first trained step
+(not beside the engines' and ranks' start-up) and runs at a lower CPU priority (`eval.nice`),
+so on shared cores training goes first.
 
 The same prompts, calls and seeds are what `streamrl eval` (pipelines/evaluation/job.py) uses, so
 evaluating a checkpoint afterwards reproduces the figure logged during training.
@@ -17,6 +19,7 @@ evaluating a checkpoint afterwards reproduces the figure logged during training.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +27,7 @@ from typing import Callable
 
 import pandas as pd
 
-from operators.algorithms.eval_metrics import summarize
+from operators.algorithms.eval_metrics import FORMAT_COLUMN, summarize
 from operators.stages.tables import to_parquet
 from operators.weights.object_store import fetch
 from pipelines.config.base import ConfigError
@@ -33,6 +36,7 @@ from pipelines.runtime.rollout_settings import environment_options, sandbox_limi
 
 SCORED_COLUMNS = [
     "prompt_id", "prompt", "prompt_text", "mode", "policy_version", "responses", "response_lengths", "rewards", "reward_errors",
+    FORMAT_COLUMN,  # when the job has the answer_format reward: accuracy among the answers given
 ]
 
 
@@ -134,8 +138,9 @@ def eval_frames(prompts: pd.DataFrame, prompts_per_call: int) -> list[pd.DataFra
 def scored_table(parts: list[pd.DataFrame]) -> pd.DataFrame:
     """Scored rows (Generate -> Reward output, with `mode`) as the columns eval Parquet files hold."""
     table = pd.concat(parts, ignore_index=True)
-    for column in ("responses", "response_lengths", "rewards"):
-        table[column] = table[column].map(list)
+    for column in ("responses", "response_lengths", "rewards", FORMAT_COLUMN):
+        if column in table.columns:
+            table[column] = table[column].map(list)
     return table[[c for c in SCORED_COLUMNS if c in table.columns]]
 
 
@@ -146,12 +151,14 @@ class Evaluator:
     store, loads it, and returns the metrics and the scored rows (Parquet bytes)."""
 
     def __init__(self, prompts: pd.DataFrame, settings: EvalSettings, model_path: str, engine_options: dict,
-                 policy_store=None):
-        import ray
-
+                 policy_store=None, nice: int = 0):
+        """`nice`: lower this process's CPU priority by that much first, so its engine (a child process, which
+        inherits it) starts and runs at that priority too."""
         from operators.stages.generate import Generate
         from operators.stages.reward import Reward
 
+        if nice:
+            os.nice(nice)
         self.frames = eval_frames(prompts, settings.prompts_per_call)
         self.settings = settings
         self.generate = Generate(**settings.generate_kwargs(model_path, engine_options))
@@ -182,6 +189,9 @@ def describe_eval(metrics: dict) -> str:
         parts.append(f"pass@{best.rsplit('_', 1)[1]} {metrics[best]:.3f}")
     if "eval/greedy_success_rate" in metrics:
         parts.append(f"greedy {metrics['eval/greedy_success_rate']:.3f}")
+    if "eval/greedy_answered_rate" in metrics:  # with answer_format: is the rise more than the format?
+        parts.append(f"greedy answered {metrics['eval/greedy_answered_rate']:.3f}, right among answered "
+                     f"{metrics['eval/greedy_success_among_answered']:.3f}")
     return ", ".join(parts) + f" ({metrics['eval/num_prompts']} prompts)"
 
 
@@ -199,20 +209,30 @@ class InTrainingEval:
         ev = cfg.eval
         options = {"num_cpus": ev.num_cpus, "num_gpus": ev.num_gpus, "resources": ev.resources}
         options = {key: value for key, value in options.items() if value}
-        self.actor = ray.remote(Evaluator).options(**options).remote(
-            prompts, EvalSettings.of(cfg), model_path, engine_options, store
+        self._start = lambda: ray.remote(Evaluator).options(**options).remote(
+            prompts, EvalSettings.of(cfg), model_path, engine_options, store, ev.nice
         )
-        self.pending = [(version, self.actor.evaluate.remote(version)) for version in versions]
+        self.actor = None  # started by the first poll: after the first trained step, not beside start-up
+        self.versions = list(versions)
+        self.pending: list[tuple[int, object]] = []
         self.tracker, self.echo, self.rows = tracker, echo, rows
         self.log_samples = ev.log_samples
         self.artifacts_dir = artifacts_dir
 
+    def started(self) -> None:
+        """Start the evaluator and queue its evaluations, once."""
+        if self.actor is None:
+            self.actor = self._start()
+            self.pending = [(version, self.actor.evaluate.remote(version)) for version in self.versions]
+
     def poll(self, wait: bool = False) -> None:
-        """Log the evaluations that have finished, in version order (all of them when `wait`)."""
+        """Log the evaluations that have finished, in version order (all of them when `wait`); the first
+        call starts the evaluator."""
         import ray
 
         from pipelines.recovery.resume import describe_failure
 
+        self.started()
         while self.pending:
             version, ref = self.pending[0]
             ready, _ = ray.wait([ref], timeout=None if wait else 0)
@@ -240,6 +260,7 @@ class InTrainingEval:
                   f"{metrics['eval/time_s']:.1f}s")
 
     def finish(self) -> None:
+        self.started()
         if self.pending:
             self.echo(f"streamrl: waiting for {len(self.pending)} evaluation(s) to finish")
         self.poll(wait=True)
@@ -247,4 +268,5 @@ class InTrainingEval:
     def close(self) -> None:
         import ray
 
-        ray.kill(self.actor)
+        if self.actor is not None:
+            ray.kill(self.actor)

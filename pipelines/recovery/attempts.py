@@ -10,6 +10,7 @@ attempt trains it again; pipelines/recovery/step_log.py) and is kept as an artif
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import traceback
 import uuid
@@ -33,10 +34,11 @@ from pipelines.recovery.step_log import StepLog, write_dropped
 from pipelines.runtime.nodes import NodeWatch, alive_node_ids, confirm_lost_nodes, placement_line, replan
 from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.resources import stage_options
-from pipelines.runtime.trainer_group import start_critic_group, start_trainer_group, stop_trainer_group
+from pipelines.runtime.trainer_group import launch_trainer_group, start_critic_group, stop_trainer_group
 from pipelines.runtime.trainer_settings import critic_model_path
 from pipelines.stages import replica_placement, stages
 from pipelines.tracking.progress import Progress
+from pipelines.tracking.startup import Phases
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Run:
     loads: list[dict] = field(default_factory=list)  # the in-flight engines' weight updates, every attempt
     placement: list[dict] = field(default_factory=list)  # where the last attempt's trainer ranks ran
     restarts: int = 0
+    phases: Phases = field(default_factory=Phases)  # the start-up's phases, said at the end (run_job sets it)
+    overlap: dict | None = None  # the steps' overlap report (pipelines/tracking/timeline.py), set by report()
 
     @property
     def output_dir(self) -> Path:
@@ -113,21 +117,22 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
     """One try with the attempt's config `cfg`: a fresh policy store, trainer group and DAG (and evaluator),
     from `run.checkpoint` (None: step 0). Returns where the trainer ranks ran."""
     checkpoint, run_dir, steps, tracker, lease = run.checkpoint, run.run_dir, run.steps, run.tracker, run.lease
-    first = run.start
+    first, phases = run.start, run.phases
     store_name = f"streamrl-policy-{uuid.uuid4().hex[:8]}"
     store = create_policy_store(store_name, retain=tuple(run.evaluation.versions(first)))
+    # The evaluator's actor and engine start after the first step (InTrainingEval.poll): they would compete
+    # with the trainer ranks and the generators' engines for the cores while those start.
     evaluator = run.evaluation.start(store, first, progress.echo)
-    workers, placement = start_trainer_group(cfg, run.model_path, store)
-    critics, value_store, watch = None, None, None
+    workers = launch_trainer_group(cfg, run.model_path, store)
+    ranks = RanksStarting(workers, phases)  # they initialise beside the engines; waited for at step 1
+    critics, value_store, watch, placement = None, None, None, []
     replicas = replica_placement(cfg)  # the generate actors' placement groups, released below
     try:
         if cfg.critic is not None:  # its own store; version -1 until rank 0 publishes the initialised critic
             value_store_name = f"streamrl-critic-{uuid.uuid4().hex[:8]}"
             value_store = create_policy_store(value_store_name, initial_version=-1)
-            critics, _ = start_critic_group(cfg, critic_model_path(cfg, run.model_path), value_store)
-        tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
-        if len(ray.nodes()) > 1:  # on a cluster: say where the ranks went (a restart may move them)
-            progress.echo(f"streamrl: trainer group placed: {placement_line(placement)}")
+            with phases.span("critic ranks"):
+                critics, _ = start_critic_group(cfg, critic_model_path(cfg, run.model_path), value_store)
         if checkpoint is not None:  # rank 0 publishes the checkpoint's weights before any generator asks
             ray.get([worker.load_checkpoint.remote(str(checkpoint.path), checkpoint.step) for worker in workers]
                     + [critic.load_checkpoint.remote(str(checkpoint.path / CRITIC_DIR), checkpoint.step)
@@ -147,14 +152,20 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
             prior_ledger=str(checkpoint.path / LEDGER) if checkpoint else None,
             max_nan_skips=cfg.train.max_nan_skips, stop=stop,
         )
-        configure_data_context(cfg, replicas)  # Ray Data's globals, before the DAG is made
-        ds = build_dag(frames, stages(cfg, run.model_path, store, workers, stage_options(cfg), first_step=first,
-                                      checkpoint_options=options, critics=critics, replicas=replicas))
+        with phases.span("DAG built"):
+            configure_data_context(cfg, replicas)  # Ray Data's globals, before the DAG is made
+            ds = build_dag(frames, stages(cfg, run.model_path, store, workers, stage_options(cfg), first_step=first,
+                                          checkpoint_options=options, critics=critics, replicas=replicas))
         failure = None
-        # A lost node that held a rank ends the attempt: the watch interrupts the main thread's wait on the DAG.
-        watch = NodeWatch(cfg, placement, progress.echo, on_lost=interrupt_main_thread).start()
         try:
             for row in iter_steps(ds):
+                if watch is None:  # the first step needed every rank: they are up
+                    placement = ranks.result()
+                    phases.from_first_step(row["timeline"])
+                    say_placement(placement, tracker, progress.echo)
+                    # A lost node that held a rank ends the attempt: the watch interrupts the main thread's
+                    # wait on the DAG.
+                    watch = NodeWatch(cfg, placement, progress.echo, on_lost=interrupt_main_thread).start()
                 if lease is not None:
                     lease.check()  # another process took the run: stop before logging anything more
                 row = {**row, "attempt": steps.attempt}
@@ -174,14 +185,20 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
                 if row.get("stopped"):  # a graceful stop: this step is trained and checkpointed
                     raise Preempted(f"stopped on SIGTERM after step {int(row['step'])}, which was "
                                     "trained and checkpointed", finished_step=True)
+            if not placement:  # no step trained in this attempt (none was left)
+                placement = ranks.result()
             if evaluator is not None:  # before the trainer group stops: rank 0 owns the retained weights
-                evaluator.finish()
-            watch.stop()  # inside the try: an interrupt it already sent lands here
+                with phases.span("waiting for evaluations"):
+                    evaluator.finish()
+            if watch is not None:
+                watch.stop()  # inside the try: an interrupt it already sent lands here
         except KeyboardInterrupt:
-            if watch.lost is None:  # Ctrl-C, or the grace period of a stop running out
+            if watch is None or watch.lost is None:  # Ctrl-C, or the grace period of a stop running out
                 raise
             failure = AttemptFailed(watch.lost, watch.lost, process_death=True)
         except Exception as err:  # keep its text, drop its frames (see AttemptFailed)
+            ranks.thread.join(timeout=2)  # a rank that failed to start: its own error, not the DAG's echo of it
+            err = ranks.error or err
             failure = AttemptFailed.from_exception(err)
             traceback.clear_frames(err.__traceback__)
     finally:
@@ -206,6 +223,40 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
         gc.collect()  # the failed DAG's actor handles sit in reference cycles: free them now
         raise failure
     return placement
+
+
+class RanksStarting:
+    """The trainer ranks initialising (DeepSpeed, the model) while the DAG starts its engines: a thread
+    waits for them and keeps where they run, or the error of a rank that failed to start."""
+
+    def __init__(self, workers, phases):
+        self.placement: list[dict] = []
+        self.error: BaseException | None = None
+        begin = time.time()
+
+        def wait() -> None:
+            try:
+                self.placement = workers.wait_ready()
+            except BaseException as err:  # noqa: BLE001 - said by result() on the main thread
+                self.error = err
+                return
+            # when the last rank was up (its `ready` call may run after a train step that came first)
+            phases.add("trainer ranks", begin, max(rank["initialised_at"] for rank in self.placement))
+
+        self.thread = threading.Thread(target=wait, name="streamrl-trainer-ranks", daemon=True)
+        self.thread.start()
+
+    def result(self) -> list[dict]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.placement
+
+
+def say_placement(placement: list[dict], tracker, echo) -> None:
+    tracker.set_tags({f"trainer.rank{rank['rank']}.node_id": rank["node_id"] for rank in placement})
+    if len(ray.nodes()) > 1:  # on a cluster: say where the ranks went (a restart may move them)
+        echo(f"streamrl: trainer group placed: {placement_line(placement)}")
 
 
 def say_backfilled(logged: list[int], echo) -> None:

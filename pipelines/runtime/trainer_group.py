@@ -13,7 +13,6 @@ its own section's world size, resources and placement, and publishes to its own 
 
 from __future__ import annotations
 
-import socket
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -36,6 +35,12 @@ class TrainerGroup(list):
     placement_group = None
     model_path: str | None = None
     store = None
+    ready_refs: tuple | list = ()  # each rank's `ready` call, made when the rank was created
+
+    def wait_ready(self) -> list[dict]:
+        """Wait until every rank has initialised DeepSpeed; where each runs. A rank whose start failed
+        raises its error here."""
+        return ray.get(self.ready_refs)
 
 
 def _reserve(section, name: str):
@@ -72,20 +77,36 @@ def start_trainer_group(cfg: JobConfig, model_path: str, policy_store) -> tuple[
     """Create the ranks, wait until every one has initialised DeepSpeed; return handles and placement.
 
     Stop it with `stop_trainer_group`, which also frees the placement group."""
+    workers = launch_trainer_group(cfg, model_path, policy_store)
+    return workers, _placement(workers)
+
+
+def launch_trainer_group(cfg: JobConfig, model_path: str, policy_store) -> TrainerGroup:
+    """Reserve the ranks' resources (an error now if the cluster has no room) and create the ranks without
+    waiting for them to initialise: the engines can start meanwhile. `workers.wait_ready()` waits."""
     return _start_group(cfg.train, "train", TrainWorker, (trainer_settings(cfg, model_path), policy_store))
+
+
+def _placement(workers: TrainerGroup) -> list[dict]:
+    try:
+        return workers.wait_ready()
+    except BaseException:  # no half-started group, no reserved bundles left behind
+        stop_trainer_group(workers)
+        raise
 
 
 def start_critic_group(cfg: JobConfig, model_path: str, value_store) -> tuple[TrainerGroup, list[dict]]:
     """The critic's ranks (operators.workers.value_worker.ValueWorker), publishing to the store `value_store`
     (create it with initial_version=-1: rank 0 publishes the freshly initialised critic as version 0)."""
-    workers, placement = _start_group(cfg.critic, "critic", ValueWorker,
-                                      (critic_settings(cfg, model_path), value_store, cfg.critic.value_clip))
+    workers = _start_group(cfg.critic, "critic", ValueWorker,
+                           (critic_settings(cfg, model_path), value_store, cfg.critic.value_clip))
     workers.model_path, workers.store = model_path, value_store
-    return workers, placement
+    return workers, _placement(workers)
 
 
-def _start_group(section, name: str, worker_class, args: tuple) -> tuple[TrainerGroup, list[dict]]:
-    """`section.world_size` ranks of `worker_class(rank, world_size, port, *args)` (section: train or critic)."""
+def _start_group(section, name: str, worker_class, args: tuple) -> TrainerGroup:
+    """`section.world_size` ranks of `worker_class(rank, world_size, port, *args)` (section: train or critic),
+    created, with their `ready` calls made."""
     workers = TrainerGroup()
     env = {"DS_ACCELERATOR": "cuda" if section.num_gpus else "cpu"}
     options = [{} for _ in range(section.world_size)]
@@ -106,11 +127,11 @@ def _start_group(section, name: str, worker_class, args: tuple) -> tuple[Trainer
             ]
         for rank in range(section.world_size):
             workers.append(actor.options(**common, **options[rank]).remote(rank, section.world_size, port, *args))
-        placement = ray.get([worker.ready.remote() for worker in workers])
+        workers.ready_refs = [worker.ready.remote() for worker in workers]
     except BaseException:  # no half-started group, no reserved bundles left behind
         stop_trainer_group(workers)
         raise
-    return workers, placement
+    return workers
 
 
 def stop_trainer_group(workers: list) -> None:

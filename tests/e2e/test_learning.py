@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_tiny_grpo_learns_and_changes_every_parameter(ray_cluster, tmp_path):
     cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml", [f"output_dir={tmp_path}"])
-    result = run_job(cfg)
+    lines = []
+    result = run_job(cfg, echo=lambda line: (lines.append(line), print(line)))
+    check_start_up_report(lines)
     success = result.metrics["success_rate"]
     first, last = success.head(10).mean(), success.tail(10).mean()
     # The README promises +0.3; allow a little run-to-run noise (Ray may batch differently).
@@ -35,6 +37,20 @@ def test_tiny_grpo_learns_and_changes_every_parameter(ray_cluster, tmp_path):
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that training never changed: {unchanged}"
     check_held_out_evaluation(cfg, result)
+
+
+def check_start_up_report(lines: list[str]) -> None:
+    """The end of the run says where the time went, once; the evaluator started after the first step, so
+    no evaluation is said before it; the trainer ranks started before the engines were up (beside them)."""
+    (start_up,) = [line for line in lines if line.startswith("streamrl: start-up: first step trained ")]
+    phases = dict(part.rsplit(" ", 1) for part in start_up.split(": ", 3)[3].split("; ")
+                  if " (beside" not in part)  # phase -> its span, for the phases that began alone
+    assert list(phases)[:2] == ["prepare (model, prompts, run)", "Ray"]
+    assert "trainer ranks" in start_up and "engines and first rollouts" in start_up
+    assert "engines and first rollouts" in start_up.split("trainer ranks", 1)[1]  # started after the ranks began
+    assert [line for line in lines if line.startswith("streamrl: wall time ")]
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step    1/"))
+    assert not [line for line in lines[:first_step] if line.startswith("streamrl: eval at step")]
 
 
 def check_held_out_evaluation(cfg, result) -> None:

@@ -24,7 +24,7 @@ def test_race_records_every_run_and_draws_the_modes(tmp_path):
         walls = [p["wall_s"] for p in run["points"]]
         assert walls == sorted(walls) and walls[1] > 0  # start-up counts: step 1 ends after the job started
         assert all(0.0 <= p["accuracy"] <= 1.0 for p in run["points"])
-        assert run["points"][0]["accuracy"] == record["step0_accuracy"]
+        assert run["points"][0]["accuracy"] == record["step0_accuracy"] == record["step0"]["accuracy"]
     assert set(record["curves"]) == set(record["headline"]) == {"0", "default (1)"}
     for figures in record["headline"].values():
         assert figures["rise_threshold"] == pytest.approx(record["step0_accuracy"] + 0.15)

@@ -160,6 +160,36 @@ def test_policy_store_keeps_retained_versions_until_released(ray_cluster):
         store.kill()
 
 
+def test_the_evaluator_starts_at_the_first_poll_at_a_lower_cpu_priority(ray_cluster, tiny_model_path, tmp_path):
+    """Not beside the job's start-up (the first poll comes after the first trained step), and niced
+    (eval.nice), so on shared cores the trainer and the generators go first."""
+    import os
+
+    from pipelines.evaluation.in_training import InTrainingEval, load_eval_prompts
+    from pipelines.runtime.policy_store import create_policy_store
+    from pipelines.stages import engine_options
+    from pipelines.tracking.tracker import NullTracker
+
+    cfg = load_config(TINY, [f"model.path={tiny_model_path}", "eval.nice=3", "eval.n=0", "eval.max_prompts=4",
+                             "eval.every=0", "train.steps=1", "eval.log_samples=false"])
+    prompts, _ = load_eval_prompts(cfg, tiny_model_path, lambda _: None)
+    store = create_policy_store("lazy-eval-test", retain=(0,))
+    rows, lines = [], []
+
+    evaluation = InTrainingEval(cfg, prompts, tiny_model_path, engine_options(cfg), store, [0], NullTracker(),
+                                lines.append, rows, tmp_path)
+    try:
+        assert evaluation.actor is None  # made, not started
+        evaluation.finish()  # starts it, evaluates version 0 (the model itself: no weights to wait for)
+        assert [row["step"] for row in rows] == [0] and lines[-1].startswith("streamrl: eval at step 0")
+        evaluator = ray_cluster.get(evaluation.actor.__ray_call__.remote(lambda actor: os.nice(0)))
+        worker = ray_cluster.get(ray_cluster.remote(lambda: os.nice(0)).remote())  # Ray's worker_niceness
+        assert evaluator == min(worker + 3, 19)
+    finally:
+        evaluation.close()
+        store.kill()
+
+
 # --- `streamrl eval`: bad input, refused before anything starts --------------------------------
 
 

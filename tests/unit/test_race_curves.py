@@ -40,3 +40,13 @@ def test_headline_thresholds_are_from_step_0():
     assert figures["wall_s_to_rise"] == [90.0, None] and figures["median_wall_s_to_rise"] is None
     assert figures["wall_s_to_target"] == [200.0, None]
     assert figures["steps_to_rise"] == [4, None]
+
+
+def test_the_answered_scores_are_the_seeds_median_when_the_runs_have_them():
+    runs = [{"points": [{"step": 4, "wall_s": 10.0, "accuracy": 0.2, "answered_rate": 0.5,
+                         "accuracy_among_answered": 0.4}]},
+            {"points": [{"step": 4, "wall_s": 12.0, "accuracy": 0.0, "answered_rate": 0.0,
+                         "accuracy_among_answered": float("nan")}]}]
+    point = mode_curve(runs)[0]
+    assert point["answered_rate"] == 0.25 and point["accuracy_among_answered"] == 0.4
+    assert "answered_rate" not in mode_curve([run([(4, 1.0, 0.5)])])[0]
