@@ -225,9 +225,10 @@ class InTrainingEval:
             self.actor = self._start()
             self.pending = [(version, self.actor.evaluate.remote(version)) for version in self.versions]
 
-    def poll(self, wait: bool = False) -> None:
-        """Log the evaluations that have finished, in version order (all of them when `wait`); the first
-        call starts the evaluator."""
+    def poll(self, wait: bool = False, upto: int | None = None) -> None:
+        """Log the evaluations that have finished, in version order (all of them when `wait`), up to version
+        `upto`: the last step the terminal has shown (rows can reach the driver in bursts after the evaluator
+        has scored their versions; an evaluation is said after its step). The first call starts the evaluator."""
         import ray
 
         from pipelines.recovery.resume import describe_failure
@@ -235,6 +236,8 @@ class InTrainingEval:
         self.started()
         while self.pending:
             version, ref = self.pending[0]
+            if upto is not None and version > upto:
+                return
             ready, _ = ray.wait([ref], timeout=None if wait else 0)
             if not ready:
                 return

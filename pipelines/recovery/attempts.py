@@ -181,7 +181,7 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
                                   "weights unchanged (train.nan_policy: skip)")
                 run.rows.append({k: v for k, v in row.items() if k not in ("rollouts_parquet", "rollouts_path")})
                 if evaluator is not None:
-                    evaluator.poll()
+                    evaluator.poll(upto=int(row["step"]))
                 if row.get("stopped"):  # a graceful stop: this step is trained and checkpointed
                     raise Preempted(f"stopped on SIGTERM after step {int(row['step'])}, which was "
                                     "trained and checkpointed", finished_step=True)

@@ -51,6 +51,10 @@ def check_start_up_report(lines: list[str]) -> None:
     assert [line for line in lines if line.startswith("streamrl: wall time ")]
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step    1/"))
     assert not [line for line in lines[:first_step] if line.startswith("streamrl: eval at step")]
+    for index, line in enumerate(lines):  # an evaluation is said after its step, in step order
+        if line.startswith("streamrl: eval at step ") and not line.startswith("streamrl: eval at step 0 "):
+            step = int(line.split()[4])
+            assert any(earlier.startswith(f"step {step:>4}/") for earlier in lines[:index]), line
 
 
 def check_held_out_evaluation(cfg, result) -> None:
