@@ -28,9 +28,7 @@ from operators.environments.sandbox import isolation
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
 from pipelines.dag import schedule_groups
-from pipelines.data.datasets import load_prompts
-from pipelines.data.prompt_checks import validate_prompts
-from pipelines.data.models import resolve_job_models
+from pipelines.data.inputs import check_inputs
 from pipelines.evaluation.in_training import load_eval_prompts
 from pipelines.evaluation.plan import EvalPlan
 from pipelines.recovery.attempts import Run, drop_uncommitted, resume_step, run_attempts, say_backfilled, take_lease
@@ -126,9 +124,11 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
 def prepare(cfg: JobConfig, echo: Callable[[str], None], resume: str | None) -> Run:
     """Everything before Ray: the model, the prompts and their schedule, the held-out set, and the run
     (new, or reopened from its last checkpoint). ConfigError for bad input, before anything starts."""
-    model_path = resolve_job_models(cfg, echo)  # downloads or converts what it must, once; ConfigError if it cannot
-    prompts, source = load_prompts(cfg.data)
-    prompts = checked_prompts(prompts, cfg, model_path, echo)
+    # The models downloaded or converted once, then the check `streamrl validate` makes (pipelines/data/inputs.py):
+    # every row, the template, the lengths, the reward functions' columns; ConfigError listing every problem.
+    inputs = check_inputs(cfg, echo, resolve=True)
+    model_path = inputs.model_path
+    prompts, source = inputs.prompts(cfg.data, echo)
     if not ray.is_initialized() and cfg.ray.address is None and not os.environ.get("RAY_ADDRESS"):
         check_object_store(cfg, model_path, cfg.ray.object_store_memory_mb, "local")  # before the MLflow run
     schedule = schedule_groups(prompts, cfg)
@@ -239,12 +239,3 @@ def weight_update_summary(loads: list[dict]) -> dict[str, float]:
             "job_weight_updates_verified": int(sum(bool(load.get("verified")) for load in loads)),
             "job_weight_tensors_checked": int(sum(int(load.get("checked", 0)) for load in loads))}
 
-
-def checked_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str, echo: Callable[[str], None]) -> pd.DataFrame:
-    """Refuse (or drop, with data.invalid_prompts: drop) empty, too-long and duplicate-id prompts."""
-    kept, dropped = validate_prompts(prompts, cfg, model_path)
-    for kind, ids in dropped.items():
-        if ids:
-            echo(f"streamrl: dropped {len(ids)} {kind.replace('_', ' ')} prompt(s) (data.invalid_prompts: drop), "
-                 f"e.g. {', '.join(map(str, ids[:5]))}")
-    return kept

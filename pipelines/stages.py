@@ -216,7 +216,8 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
             (Train, dict(
                 workers=workers, groups_per_step=cfg.train.groups_per_step, total_steps=cfg.train.steps - first_step,
                 generated_per_step=cfg.generated_groups_per_step(), dynamic_sampling=cfg.algorithm.dynamic_sampling,
-                first_step=first_step, success_threshold=cfg.reward.success_threshold, **train_options(cfg),
+                first_step=first_step, success_threshold=cfg.reward.success_threshold,
+                reward_failed_steps=cfg.reward.stop_after_failed_steps, **train_options(cfg),
                 critics=list(critics or []), **(checkpoint_options or {}),
             )),
         ]),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -103,6 +104,24 @@ class PromptRenderer:
         self.fmt = fmt
         self.template = load_template(fmt.chat_template)  # a file's template; None: the tokenizer's
         self.has_template = self.template is not None or bool(getattr(tokenizer, "chat_template", None))
+
+    @cached_property
+    def template_problem(self) -> str | None:
+        """Why the chat template does not render a conversation (not valid Jinja, or it fails), None when it
+        renders one or there is none."""
+        if not self.has_template:
+            return None
+        try:
+            self.tokenizer.apply_chat_template(self.messages([{"role": "user", "content": "1+1="}]),
+                                               chat_template=self.template, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # noqa: BLE001 - jinja2 and transformers raise many types; each means the same
+            line = getattr(err, "lineno", None)
+            what = (f"chat template file {self.fmt.chat_template!r}" if self.template is not None
+                    else "the tokenizer's chat template")
+            return (f"{what} does not render a conversation ({type(err).__name__}"
+                    f"{f' at line {line}' if line else ''}: {' '.join(str(err).split())[:200]}); fix the template, "
+                    "or use 'auto' (the tokenizer's template), 'none' (text prompts only) or another Jinja file")
+        return None
 
     def uses_template(self, prompt: Any) -> bool:
         """Whether `prompt` is rendered with a chat template."""

@@ -6,6 +6,7 @@ An environment is a class with two methods, named in the config like a reward fu
 
     class Guess:
         stop = ("?",)                          # strings that end a model turn (besides EOS)
+        columns = ("answer",)                  # the dataset columns reset reads (checked before a job starts)
         def reset(self, row: dict) -> None:    # the dataset row of the episode's prompt
             self.secret = int(row["answer"])
         def step(self, turn: Turn) -> EnvStep:  # the model's turn: text and token ids
@@ -93,6 +94,7 @@ def env_step_problem(result) -> str | None:
 
 class Environment(Protocol):
     stop: Sequence[str]
+    columns: Sequence[str]  # optional: the dataset columns `reset` reads, which every dataset of a job must have
 
     def reset(self, row: dict) -> None:
         """Start an episode for this dataset row (its columns, e.g. `answer`)."""

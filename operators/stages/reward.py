@@ -5,11 +5,16 @@ with them (TRL's convention) and returns one float (or None) per completion:
 
     def my_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]: ...
 
-Builtins are registered by name; anything else is named 'package.module:function'.
-A function that raises, or returns None for a sample, never kills the job: the affected
-samples get `on_error` and are counted in the `reward_errors` column. With a timeout the
-functions run in a sandbox child process (operators/environments/sandbox.py), so one that hangs or runs away
-costs its batch `on_error` (counted in `reward_timeouts` when it hung), not the job.
+Builtins are registered by name; anything else is named 'package.module:function'. Which
+dataset columns a function takes is read from its signature (`call_problem`): the check of a
+job's inputs refuses one that takes a column the dataset lacks before anything starts.
+A function that raises, or returns None for a sample, does not kill the batch: the affected
+samples get `on_error` and are counted in the `reward_errors` column. A function that raises
+on every sample is named in `reward_raised` with its exception, and the Train stage stops the
+job when one does so for `reward.stop_after_failed_steps` steps in a row (`FailedRewardSteps`):
+a job must not train on `on_error` alone. With a timeout the functions run in a sandbox child
+process (operators/environments/sandbox.py), so one that hangs or runs away costs its batch
+`on_error` (counted in `reward_timeouts` when it hung), not the job.
 
 Multi-turn rows (operators/environments/environment.py) carry `env_rewards`, the environment's own rewards per
 episode: they are added to the functions' sum.
@@ -19,9 +24,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -126,6 +132,13 @@ def _as_score(value) -> float:
         return float("nan")
 
 
+def reward_columns(columns: Collection[str]) -> set[str]:
+    """The columns of a row a reward function may take: every column but the pipeline's and the stages'
+    timings and rewards."""
+    return {column for column in columns
+            if column not in PIPELINE_COLUMNS and not column.startswith(("time_", "reward_"))}
+
+
 def _call_kwargs(fn: RewardFn, columns: dict[str, list]) -> dict[str, list]:
     """Pass all dataset columns to a **kwargs function, else only the ones it names."""
     params = inspect.signature(fn).parameters.values()
@@ -135,42 +148,121 @@ def _call_kwargs(fn: RewardFn, columns: dict[str, list]) -> dict[str, list]:
     return {key: value for key, value in columns.items() if key in names}
 
 
-def score_values(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> np.ndarray:
-    """One score per completion, NaN where the function failed; a failing batch call is retried
-    sample by sample, so one bad sample does not cost the others their scores."""
+def call_problem(fn: RewardFn, columns: Collection[str], rows: str = "the rows") -> str | None:
+    """Why `fn` cannot be called as Reward calls it, fn(completions, **the columns it names), on `rows` with
+    these `columns` (reward_columns of them): read from its signature. None when it can be, or when Python
+    cannot read its signature."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    if not positional and not any(p.kind is kinds.VAR_POSITIONAL for p in params):
+        return ("takes no argument for the completions; a reward function is fn(completions, **dataset_columns) "
+                "-> list[float], e.g. def score(completions, answer, **kwargs)")
+    rest = [p for p in params if p is not (positional[0] if positional else None) and p.default is p.empty]
+    unreachable = [p.name for p in rest if p.kind is kinds.POSITIONAL_ONLY]
+    missing = [p.name for p in rest if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+               and p.name not in columns]
+    if not (unreachable or missing):
+        return None
+    named = unreachable + missing
+    return (f"takes {named}, which no column of {rows} gives (it is called as fn(completions, **columns); the "
+            f"columns are {sorted(columns)}); rename the argument(s) after columns, give them defaults, or add the "
+            "column(s) to the dataset")
+
+
+def score_values(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> tuple[np.ndarray, str | None]:
+    """One score per completion, NaN where the function failed; a failing batch call is retried sample by
+    sample, so one bad sample does not cost the others their scores. Also the exception ('Type: message')
+    when it raised on every sample, else None."""
+    raised = None
     try:
         values = list(fn(completions, **kwargs))
         if len(values) != len(completions):
             raise ValueError(f"returned {len(values)} scores for {len(completions)} completions")
     except Exception:  # noqa: BLE001 - any failure of user code is contained
-        values = []
+        values, failures = [], 0
         for index, completion in enumerate(completions):
             try:
                 values.append(fn([completion], **{k: [v[index]] for k, v in kwargs.items()})[0])
-            except Exception:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001
                 values.append(None)
-    return np.array([_as_score(value) for value in values], dtype=float)
+                failures += 1
+                raised = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        raised = raised if completions and failures == len(completions) else None
+    return np.array([_as_score(value) for value in values], dtype=float), raised
 
 
-def sandbox_scores(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> list[float | None]:
+def sandbox_scores(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> dict:
     """`score_values` as the sandbox child replies it (operators/environments/sandbox.py): JSON numbers, None for the
-    samples that failed (NaN and infinities are not JSON)."""
-    return [float(value) if np.isfinite(value) else None for value in score_values(fn, completions, kwargs)]
+    samples that failed (NaN and infinities are not JSON), and the exception when it raised on every sample."""
+    scores, raised = score_values(fn, completions, kwargs)
+    return {"scores": [float(value) if np.isfinite(value) else None for value in scores], "raised": raised}
 
 
-def _scores_from_reply(value, size: int) -> np.ndarray:
-    """The scores in a sandbox reply, NaN for None; raises ValueError for anything else."""
-    if not isinstance(value, list) or len(value) != size or \
-            not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+def _scores_from_reply(value, size: int) -> tuple[np.ndarray, str | None]:
+    """The scores in a sandbox reply, NaN for None, and the exception it names; raises ValueError for anything
+    else."""
+    scores = value.get("scores") if isinstance(value, dict) else None
+    raised = value.get("raised") if isinstance(value, dict) else None
+    if not isinstance(scores, list) or len(scores) != size or not isinstance(raised, (str, type(None))) or \
+            not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores):
         raise ValueError(f"the sandbox's reply is not {size} scores")
-    return np.array([np.nan if v is None else v for v in value], dtype=float)
+    return np.array([np.nan if v is None else v for v in scores], dtype=float), raised
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised on every sample of `reward.stop_after_failed_steps` train steps in a row."""
+
+
+def failing_functions(rows: Sequence[dict]) -> dict[str, str]:
+    """The reward functions that raised on every sample of these rows (a step's groups: their `reward_raised`),
+    each with its exception."""
+    found = [json.loads(row.get("reward_raised") or "{}") for row in rows]
+    if not found:
+        return {}
+    names = set.intersection(*(set(each) for each in found))
+    return {name: found[0][name] for name in sorted(names)}
+
+
+class FailedRewardSteps:
+    """The Train stage's watch on reward functions: counts, per function, the steps in a row whose every sample
+    it raised on, warns, and at `stop_after` raises RewardFunctionError (naming it and its exception) before
+    that step trains."""
+
+    def __init__(self, stop_after: int = 1):
+        if stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1, got {stop_after}")
+        self.stop_after = stop_after
+        self.in_a_row: dict[str, int] = {}
+
+    def check(self, step: int, rows: Sequence[dict]) -> None:
+        """`step`: the step's 0-based index (users read step + 1)."""
+        failed = failing_functions(rows)
+        self.in_a_row = {name: self.in_a_row.get(name, 0) + 1 for name in failed}
+        for name, exception in failed.items():
+            count = self.in_a_row[name]
+            steps = f"step {step + 1}" + (f" and the {count - 1} step(s) before it" if count > 1 else "")
+            if count >= self.stop_after:
+                # one line the job's failure line shows whole (it keeps 300 characters, the class name included)
+                head = f"reward function {name!r} raised on every sample of {steps} ("
+                tail = f"); fix it, or raise reward.stop_after_failed_steps ({self.stop_after})"
+                room = max(40, 230 - len(head) - len(tail))
+                short = exception if len(exception) <= room else exception[:room].rsplit(" ", 1)[0] + " ..."
+                raise RewardFunctionError(head + short + tail)
+            print(f"streamrl: WARNING reward function {name!r} raised on every sample of {steps} ({exception}); "
+                  f"its samples get reward.on_error; the job stops at {self.stop_after} such steps in a row "
+                  "(reward.stop_after_failed_steps)", file=sys.stderr, flush=True)
 
 
 class Reward:
     """Callable class for `Dataset.map_batches`: adds `rewards` (list of n floats per row).
 
     Also adds `reward_errors` (samples that fell back to `on_error`), `reward_timeouts` (samples
-    whose function call ran over `timeout_s`; they count in `reward_errors` too), one list
+    whose function call ran over `timeout_s`; they count in `reward_errors` too), `reward_raised` (JSON
+    text: the functions that raised on every sample of the call, each with its exception), one list
     column `reward_<name>` per function, and `time_reward` (seconds of this call per row). With
     `timestamps=True`, also the call's wall-clock interval `reward_start`, `reward_end` (the RL
     pipeline's, from which benchmarks/loop_latency.py measures the hops between stages).
@@ -202,17 +294,17 @@ class Reward:
             self.sandbox.close()
 
     def _score(self, name: str, fn: RewardFn, completions: list[str], columns: dict[str, list]):
-        """Scores, a failure mask, and whether the call timed out."""
+        """Scores, a failure mask, whether the call timed out, and the exception when it raised on every sample."""
         kwargs = _call_kwargs(fn, columns)
         timed_out = False
         if self.sandbox is None:
-            scores = score_values(fn, completions, kwargs)
+            scores, raised = score_values(fn, completions, kwargs)
         else:
             reply, problem = self.sandbox.call(name, completions, kwargs, self.timeout_s)
-            scores = None
+            scores, raised = None, None
             if problem is None:
                 try:
-                    scores = _scores_from_reply(reply, len(completions))
+                    scores, raised = _scores_from_reply(reply, len(completions))
                 except ValueError as err:
                     problem = str(err)
             if scores is None:
@@ -227,29 +319,29 @@ class Reward:
                 scores = np.full(len(completions), np.nan)
         failed = ~np.isfinite(scores)
         scores = np.where(failed, self.on_error, scores)
-        return scores, failed, timed_out
+        return scores, failed, timed_out, raised
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         wall_start = time.time()
         start = time.perf_counter()
         batch = batch.copy()
         if batch.empty:
-            for column in ("rewards", "reward_errors", "reward_timeouts", "time_reward"):
+            for column in ("rewards", "reward_errors", "reward_timeouts", "reward_raised", "time_reward"):
                 batch[column] = []
             return batch
         sizes = [len(responses) for responses in batch["responses"]]
         completions = [str(text) for responses in batch["responses"] for text in responses]
-        columns = {
-            column: [value for value, size in zip(batch[column], sizes) for _ in range(size)]
-            for column in batch.columns
-            if column not in PIPELINE_COLUMNS and not column.startswith(("time_", "reward_"))
-        }
+        columns = {column: [value for value, size in zip(batch[column], sizes) for _ in range(size)]
+                   for column in reward_columns(batch.columns)}
         total = np.zeros(len(completions))
         errors = np.zeros(len(completions), dtype=bool)
         timeouts = np.zeros(len(completions), dtype=bool)
         splits = np.cumsum(sizes)[:-1]
+        raised_by: dict[str, str] = {}  # the functions that raised on every sample of the batch
         for name, weight, fn in self.functions:
-            scores, failed, timed_out = self._score(name, fn, completions, columns)
+            scores, failed, timed_out, raised = self._score(name, fn, completions, columns)
+            if raised is not None:
+                raised_by[name] = raised
             total += weight * scores
             errors |= failed
             timeouts |= timed_out
@@ -259,6 +351,7 @@ class Reward:
         batch["rewards"] = [part.tolist() for part in np.split(total, splits)]
         batch["reward_errors"] = [int(part.sum()) for part in np.split(errors, splits)]
         batch["reward_timeouts"] = [int(part.sum()) for part in np.split(timeouts, splits)]
+        batch["reward_raised"] = json.dumps(raised_by)  # JSON text: one type in every block
         batch["time_reward"] = (time.perf_counter() - start) / max(len(batch), 1)
         if self.timestamps:
             batch["reward_start"], batch["reward_end"] = wall_start, time.time()

@@ -46,6 +46,7 @@ from operators.algorithms.step_batch import (
     token_masks,
 )
 from operators.common.durable import write_atomic
+from operators.stages.reward import FailedRewardSteps
 from operators.stages.tables import StepRollouts, rollouts_table
 from operators.stages.train_metrics import (
     critic_metrics,
@@ -92,6 +93,7 @@ class Train:
         critics: Sequence = (),
         mini_batches: int = 1,
         rollouts_dir: str | None = None,
+        reward_failed_steps: int = 1,
     ):
         """`total_steps` counts from `first_step` (a resumed job's first step). `checkpoints`: what writes
         resumable checkpoints between steps, or None for none; any object with `due(steps_done, last)` and
@@ -111,7 +113,8 @@ class Train:
         `rollouts_dir`: write each step's rollouts there (`step_NNNNNN.parquet`, atomically, before the step's
         checkpoint and row) and put its path in the row (`rollouts_path`) and in the checkpoint's rows, so
         they outlive a driver that dies before it hears of the step; None: the row carries the Parquet
-        bytes (`rollouts_parquet`)."""
+        bytes (`rollouts_parquet`). `reward_failed_steps`: steps in a row a reward function may raise on every
+        sample of before the job stops, naming it (operators.stages.reward.FailedRewardSteps)."""
         self.rollouts_dir = Path(rollouts_dir) if rollouts_dir else None
         if self.rollouts_dir is not None:
             self.rollouts_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +139,7 @@ class Train:
         # Steps skipped for a non-finite loss (train.nan_policy: skip), the resumed ledger's included.
         self.max_nan_skips = max_nan_skips
         self.nan_skips = int(self.ledger[0].loc[~self.ledger[0]["trained"], "train_step"].nunique()) if self.ledger else 0
+        self.reward_failures = FailedRewardSteps(reward_failed_steps)
         self.buffer: dict[int, list[dict]] = defaultdict(list)
         self.last_step_end = time.perf_counter()
         self.idle_seconds = 0.0
@@ -197,6 +201,7 @@ class Train:
         start = time.perf_counter()
         waited = start - self.last_step_end  # trainer idle: waiting for this step's data
         generated = [{**row, "staleness": step - int(row["policy_version"])} for row in rows]
+        self.reward_failures.check(step, generated)  # a step scored only by on_error is not trained
         rows, dropped = self._select(generated)
         rows = self._whiten(rows)
         # Every generated group (what the policy did), with the advantages it trained on where `used`, as numpy

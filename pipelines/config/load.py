@@ -50,12 +50,55 @@ def _format_pydantic(err: ValidationError) -> list[tuple[str, str]]:
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part, {})
+        if isinstance(child, list) or parts[depth + 1].isdigit() and not child:  # a list: given whole, not by index
+            raise ConfigError([(dotted, _list_fix(".".join(parts[:depth + 1]), child, parts[depth + 1:], value))],
+                              "--set")
         if not isinstance(child, dict):
             raise ConfigError([(dotted, f"{part!r} is not a section; cannot set a key under it")], "--set")
-        node = child
+        node = node.setdefault(part, child)
     node[parts[-1]] = value
+
+
+def _list_fix(field: str, current: Any, rest: list[str], value: Any) -> str:
+    """What `--set` into a list by index says: the list is given whole, here with the change made."""
+    example = [dict(item) if isinstance(item, dict) else item for item in current] if isinstance(current, list) else []
+    index = int(rest[0]) if rest[0].isdigit() else -1
+    if 0 <= index < len(example) and isinstance(example[index], dict) and len(rest) == 2:
+        example[index][rest[1]] = value
+    elif len(rest) == 2 and rest[0].isdigit():
+        example = [{rest[1]: value}]
+    else:
+        example = [{"name": "...", "weight": 1.0}] if field == "reward.functions" else example or ["..."]
+    shown = yaml.safe_dump(example, default_flow_style=True, width=10**6).strip()
+    return (f"{field} is a list, which --set cannot reach into by index; give the whole list, e.g. "
+            f"--set '{field}={shown}'")
+
+
+def duplicate_keys(text: str) -> list[tuple[str, str]]:
+    """(field, message) for each key given twice in one mapping, with both line numbers (YAML's loader keeps
+    the last and drops the first without a word)."""
+    problems = []
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, child in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else str(key.value)
+                field = f"{path}.{name}" if path else name
+                line = key.start_mark.line + 1
+                if name in first and name != "<<":
+                    problems.append((field, f"given twice, at lines {first[name]} and {line}; YAML would keep "
+                                     f"only the second and drop the first without a word: keep one (merge them)"))
+                first.setdefault(name, line)
+                walk(child, field)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, child in enumerate(node.value):
+                walk(child, f"{path}.{index}")
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return problems
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -81,12 +124,27 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     source = str(path) if path else "config"
     if path is not None:
         file = Path(path)
+        if file.is_dir():
+            found = sorted(str(f) for f in file.glob("*.yaml"))[:5]
+            raise ConfigError([("(file)", f"{path} is a folder, not a YAML file; pass a config file"
+                                + (f", e.g. one of {found}" if found else " such as configs/tiny_grpo.yaml"))])
         if not file.is_file():
             raise ConfigError([("(file)", f"{path} does not exist; pass a YAML file such as configs/tiny_grpo.yaml")])
         try:
-            tree = yaml.safe_load(file.read_text()) or {}
+            text = file.read_text(encoding="utf-8")
+            repeated = duplicate_keys(text)
+            tree = yaml.safe_load(text)
+        except UnicodeDecodeError as err:
+            raise ConfigError([("(file)", f"not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8")],
+                              source) from None
         except yaml.YAMLError as err:
-            raise ConfigError([("(file)", f"not valid YAML: {err}")], source)
+            raise ConfigError([("(file)", f"not valid YAML: {err}")], source) from None
+        if repeated:
+            raise ConfigError(repeated, source)
+        if tree is None:
+            raise ConfigError([("(file)", "the file is empty (no sections); write the sections you change (every "
+                                "field has a default: see configs/tiny_grpo.yaml), or run the default tiny job "
+                                "with `streamrl run configs/tiny_grpo.yaml`")], source)
         if not isinstance(tree, dict):
             raise ConfigError([("(top level)", "expected a mapping of sections (model:, data:, ...)")], source)
     return config_from_tree(tree, overrides, source)

@@ -34,6 +34,12 @@ class RewardConfig(Section):
     on_error: float = Field(
         0.0, description="Reward given to a sample whose reward function raised or returned None."
     )
+    stop_after_failed_steps: int = Field(
+        1, ge=1, description="Stop the job when a reward function raises on every sample of this many train steps "
+        "in a row; the terminal names the function and its exception. 1: the first such step stops the job, before "
+        "it trains (every sample would have trained on on_error alone); more: the steps before it train on "
+        "on_error, each with a warning."
+    )
     success_threshold: float = Field(
         1.0, description="A sample whose summed reward is at least this counts as a success (success_rate)."
     )

@@ -3,16 +3,18 @@
 Bad input is found here, before any Ray actor starts, and reported as `ConfigError` with
 the field, what is wrong and the fix:
 
-- `load_prompts` reads the whole file, so a truncated .jsonl, a .parquet with damaged pages
-  or a .json that is not a table fails here (naming the file and, for JSON, the line), not in
-  an actor hours later.
-- `validate_prompts` (pipelines/data/prompt_checks.py) checks every row.
+- `iter_chunks` streams a file a chunk of rows at a time, so the one check of a job's inputs
+  (pipelines/data/inputs.py, `streamrl validate` and `streamrl run`) reads every row without holding
+  the file: a truncated .jsonl, a .parquet with damaged pages, a .json that is not a table or a byte
+  that is not UTF-8 is named with the file, the line and the fix.
+- `load_prompts` reads the whole file (the table a job schedules), with the same messages.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -22,6 +24,7 @@ from pipelines.config.base import ConfigError
 from pipelines.config.data import BUILTIN_DATASET_PREFIX, BUILTIN_DATASET_SPLITS, DataConfig
 
 FILE_FIX = "repair the file or export it again (an interrupted copy or download leaves it cut short)"
+CHUNK_ROWS = 8192  # rows read at a time when a file is streamed (iter_chunks)
 
 
 class DatasetError(ValueError):
@@ -51,23 +54,66 @@ def _read_frame(file: Path, nrows: int | None = None) -> pd.DataFrame:
         if file.suffix == ".csv":
             return pd.read_csv(file, nrows=nrows)
         if file.suffix == ".jsonl":
-            return _read_jsonl(file, nrows)
+            return pd.read_json(file, lines=True, nrows=nrows)
         return _read_json(file)
     except DatasetError:
         raise
     except Exception as err:  # noqa: BLE001 - pandas/pyarrow raise many types; all mean unreadable
-        raise DatasetError(f"cannot read {str(file)!r} ({type(err).__name__}: {_one_line(err)}); {FILE_FIX}") from None
+        raise _unreadable(file, err, nrows) from None
 
 
-def _read_jsonl(file: Path, nrows: int | None) -> pd.DataFrame:
+def iter_chunks(file: Path, chunk_rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
+    """The file's rows in order, `chunk_rows` at a time (a .json file, one document, all at once), each chunk a
+    table read as `load_prompts` reads the file; only one chunk is held. Raises DatasetError (the file, the
+    line where the format has lines, the fix) at the first chunk that cannot be read."""
     try:
-        return pd.read_json(file, lines=True, nrows=nrows)
-    except Exception as err:  # noqa: BLE001
-        # pandas names no line; find the first bad one (only on this failure path).
-        problem = _first_bad_jsonl_line(file, nrows)
-        raise DatasetError(
-            f"cannot read {str(file)!r}: {problem or f'{type(err).__name__}: {_one_line(err)}'}; {FILE_FIX}"
-        ) from None
+        if file.suffix == ".parquet":
+            parquet = pq.ParquetFile(file, page_checksum_verification=True)
+            for batch in parquet.iter_batches(batch_size=chunk_rows):
+                yield batch.to_pandas()
+        elif file.suffix in (".csv", ".jsonl"):
+            reader = (pd.read_csv(file, chunksize=chunk_rows) if file.suffix == ".csv"
+                      else pd.read_json(file, lines=True, chunksize=chunk_rows))
+            with reader:
+                yield from reader
+        else:
+            yield _read_json(file)
+    except DatasetError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pandas/pyarrow raise many types; all mean unreadable
+        raise _unreadable(file, err) from None
+
+
+def _unreadable(file: Path, err: Exception, nrows: int | None = None) -> DatasetError:
+    """What cannot be read, where and the fix. pandas names no line: the first bad one is looked for here
+    (only on this failure path)."""
+    problem = _first_bad_jsonl_line(file, nrows) if file.suffix == ".jsonl" else None
+    if problem is None and isinstance(err, UnicodeDecodeError):
+        problem = _first_non_utf8_line(file)
+    if problem is None:
+        return DatasetError(f"cannot read {str(file)!r} ({type(err).__name__}: {_one_line(err)}); {FILE_FIX}")
+    fix = encoding_fix(file) if "not UTF-8" in problem else FILE_FIX
+    return DatasetError(f"cannot read {str(file)!r}: {problem}; {fix}")
+
+
+def encoding_fix(file: Path) -> str:
+    return (f"save it as UTF-8 text (from Latin-1: `iconv -f latin1 -t utf-8 {file.name} > utf8{file.suffix}`; "
+            "from Excel: save as 'CSV UTF-8')")
+
+
+def _not_utf8(number: int, raw: bytes) -> str | None:
+    """'line N is not UTF-8 text (...)' when the line's bytes do not decode, else None."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (f"line {number} is not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}: "
+                f"{err.reason})")
+    return None
+
+
+def _first_non_utf8_line(file: Path) -> str | None:
+    with open(file, "rb") as handle:
+        return next((found for number, raw in enumerate(handle, start=1) if (found := _not_utf8(number, raw))), None)
 
 
 def _first_bad_jsonl_line(file: Path, nrows: int | None) -> str | None:
@@ -75,10 +121,10 @@ def _first_bad_jsonl_line(file: Path, nrows: int | None) -> str | None:
     records = 0
     with open(file, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                return f"line {number} is not UTF-8 text ({err.reason} at byte {err.start} of the line)"
+            encoding = _not_utf8(number, raw)
+            if encoding:
+                return encoding
+            text = raw.decode("utf-8")
             if not text.strip():
                 continue
             try:
@@ -120,32 +166,41 @@ def _read_json(file: Path) -> pd.DataFrame:
     return pd.read_json(StringIO(text))  # pandas reads the table as it always has (same dtypes, same ids)
 
 
-def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
-    """The prompt table (columns `prompt_id`, `prompt`, plus the dataset's own) and its source.
-
-    Reads the whole file; raises `ConfigError` on `data.path` if it cannot be read. The rows
-    are not checked here: `validate_prompts` checks them all (with the tokenizer) in one pass."""
+def made_prompts(data: DataConfig) -> pd.DataFrame | None:
+    """The table of a dataset streamrl makes itself (builtin:<name>, reasoning_gym:<task>, with `prompt_id` and
+    `prompt`), None for a file. Raises `ConfigError` for a task that cannot be made."""
     from pipelines.data.reasoning_tasks import REASONING_GYM_PREFIX
 
     if data.path.startswith(REASONING_GYM_PREFIX):  # a reasoning-gym task's split (pipelines/data/reasoning_tasks.py)
         from pipelines.data.reasoning_tasks import TaskError, make_task_dataset, task_name
 
         try:
-            frame = make_task_dataset(task_name(data.path), data.num_prompts, seed=data.seed, split=data.split,
-                                      task_options=data.task_options)
+            return make_task_dataset(task_name(data.path), data.num_prompts, seed=data.seed, split=data.split,
+                                     task_options=data.task_options)
         except TaskError as err:
             raise ConfigError(err.problems, data.path) from None
-        return frame, data.path
-    if data.path.startswith(BUILTIN_DATASET_PREFIX):
-        name = data.path[len(BUILTIN_DATASET_PREFIX):]
-        split = BUILTIN_DATASET_SPLITS[name]
-        if name.startswith("tools"):  # the tiny tool task's two-digit sums
-            from pipelines.data.tiny_tools import make_tool_dataset
+    if not data.path.startswith(BUILTIN_DATASET_PREFIX):
+        return None
+    name = data.path[len(BUILTIN_DATASET_PREFIX):]
+    split = BUILTIN_DATASET_SPLITS[name]
+    if name.startswith("tools"):  # the tiny tool task's two-digit sums
+        from pipelines.data.tiny_tools import make_tool_dataset
 
-            return make_tool_dataset(data.num_prompts, seed=data.seed, split=split), data.path
-        from pipelines.data.tiny import make_arithmetic_dataset
+        return make_tool_dataset(data.num_prompts, seed=data.seed, split=split)
+    from pipelines.data.tiny import make_arithmetic_dataset
 
-        return make_arithmetic_dataset(data.num_prompts, seed=data.seed, split=split), data.path
+    return make_arithmetic_dataset(data.num_prompts, seed=data.seed, split=split)
+
+
+def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
+    """The prompt table (columns `prompt_id`, `prompt`, plus the dataset's own) and its source.
+
+    Reads the whole file; raises `ConfigError` on `data.path` if it cannot be read. The rows are not checked
+    here: the one check of a job's inputs (pipelines/data/inputs.py) streams them all before, and
+    `validate_prompts` checks a table already read (the held-out prompts)."""
+    made = made_prompts(data)
+    if made is not None:
+        return made, data.path
     try:
         frame = _read_frame(Path(data.path))
     except DatasetError as err:
@@ -161,7 +216,7 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
     ids = frame[data.id_column] if data.id_column else None
     frame = frame.rename(columns={data.prompt_column: "prompt"})
     if ids is not None:
-        frame["prompt_id"] = [_id_text(value) for value in ids]
+        frame["prompt_id"] = [id_text(value) for value in ids]
     else:
         frame["prompt_id"] = [f"row-{index:08d}" for index in range(len(frame))]
     return frame.reset_index(drop=True), data.path
@@ -192,7 +247,7 @@ def column_problems(columns: list[str], prompt_column: str, id_column: str | Non
     return problems
 
 
-def _id_text(value) -> str:
+def id_text(value) -> str:
     """A prompt id as text; a missing id becomes '' (reported as an empty id)."""
     if value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA:
         return ""

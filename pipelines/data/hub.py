@@ -75,10 +75,15 @@ def hub_snapshot(repo: str, revision: str | None, field: str, local_only: bool =
     except Exception as err:
         looked = cache / ("models--" + repo.replace("/", "--"))
         if offline:
-            why = ("HF_HUB_OFFLINE is set, which forbids downloading it" if hub_offline()
-                   else "it is not downloaded while the config is checked")
+            if hub_offline():
+                why, fixes = "HF_HUB_OFFLINE is set, which forbids downloading it", _hub_fixes(repo, revision)
+            else:  # `streamrl validate`: nothing is downloaded to check a config
+                why = "`streamrl validate` downloads nothing"
+                fixes = (f"download it first (`hf download {repo}{f' --revision {revision}' if revision else ''}`; "
+                         "`streamrl run` downloads it where the Hub is reachable), or give a local folder made by "
+                         "save_pretrained")
             message = (f"Hub model {repo!r}{at} is not in the Hugging Face cache (looked in {looked}){local} and "
-                       f"{why}; {_hub_fixes(repo, revision)}")
+                       f"{why}; {fixes}")
         else:
             detail = " ".join(str(err).split())[:400]
             message = (f"cannot download Hub model {repo!r}{at} into {cache}{local}: "
@@ -97,16 +102,30 @@ def snapshot_problem(folder: Path) -> str | None:
     """What a downloaded snapshot lacks to be loaded as a causal LM (None: nothing)."""
     if not (folder / "config.json").is_file():
         return "has no config.json (is it a model repository?)"
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        missing = [shard for shard in shards if not (folder / shard).is_file()]
-        if missing:
-            return (f"lacks {len(missing)} of its {len(shards)} safetensors shards ({missing[0]}, ...): "
-                    "a partial download")
-    elif not (folder / "model.safetensors").is_file():
-        return ("has no safetensors weights (model.safetensors or model-*-of-*.safetensors): streamrl loads only "
-                "safetensors, never pickled .bin weights; pick a revision or a repository that has them")
+    weights = weights_problem(folder)
+    if weights:
+        return weights + "; pick a revision or a repository that has them"
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return f"has no tokenizer (none of {list(TOKENIZER_FILES)})"
     return None
+
+
+def weights_problem(folder: Path, pickled: bool = False) -> str | None:
+    """What a model folder lacks of its weights (None: nothing): a weights file, or shards its index names.
+    `pickled`: PyTorch's pytorch_model.bin counts too (a local folder; a Hub snapshot is never given one)."""
+    for index_name in ("model.safetensors.index.json",) + (("pytorch_model.bin.index.json",) if pickled else ()):
+        index = folder / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            missing = [shard for shard in shards if not (folder / shard).is_file()]
+            if missing:
+                return (f"lacks {len(missing)} of the {len(shards)} weight shards {index_name} names "
+                        f"({missing[0]}, ...): a partial download or copy")
+            return None
+    if (folder / "model.safetensors").is_file() or pickled and (folder / "pytorch_model.bin").is_file():
+        return None
+    if pickled:
+        return ("has no weights file (model.safetensors, or model-*-of-*.safetensors with "
+                "model.safetensors.index.json, or pytorch_model.bin)")
+    return ("has no safetensors weights (model.safetensors or model-*-of-*.safetensors): streamrl loads only "
+            "safetensors from the Hub, never pickled .bin weights")

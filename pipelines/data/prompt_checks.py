@@ -1,13 +1,17 @@
-"""Prompt rows checked before any Ray actor starts (`validate_prompts`): every row (missing, non-string
-or empty prompts; empty or duplicate ids; prompt tokens + `rollout.max_new_tokens` beyond the model's
-context), every kind of problem listed at once as a `ConfigError` with the field, what is wrong and the
-fix, or, with `data.invalid_prompts: drop`, those rows removed and reported. The rows come from
-pipelines/data/datasets.py (`load_prompts`).
+"""Prompt rows checked before any Ray actor starts: every row (missing, non-string or empty prompts; malformed
+chat messages; empty or duplicate ids; prompt tokens + `rollout.max_new_tokens` beyond the model's context),
+and whether the chat template can render them, every kind of problem listed at once with the field, what is
+wrong and the fix, or, with `data.invalid_prompts: drop`, those rows removed and reported.
+
+`PromptRows` takes a dataset's rows a chunk at a time and remembers only the rows it flags: the one check of a
+job's inputs (pipelines/data/inputs.py, `streamrl validate` and `streamrl run`) streams every file through it.
+`validate_prompts` runs it on a table already read (the held-out prompts, pipelines/evaluation/).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,113 +39,189 @@ KIND_TEXT = {
 }
 
 
-def _prompt_problems(frame: pd.DataFrame) -> tuple[dict[str, list[int]], dict[int, str]]:
-    """Row positions with a missing, blank, malformed or non-text prompt, per kind, and what is wrong
-    with each row of malformed chat messages. A column holds text or messages: rows of the other kind
-    than the first well-formed row are `mixed_kinds`."""
-    from operators.common.prompts import is_messages, message_problem
+@dataclass(frozen=True)
+class LengthBudget:
+    """How long a prompt may be: `limit` tokens (from `source`) less `after`, what `field` keeps for the response."""
 
-    problems: dict[str, list[int]] = {}
-    reasons: dict[int, str] = {}
-    kind = None
-    for index, prompt in enumerate(frame["prompt"].tolist()):
-        if prompt is None or prompt is pd.NA or (isinstance(prompt, float) and np.isnan(prompt)):
-            problems.setdefault("missing_prompt", []).append(index)
-            continue
-        if is_messages(prompt):
-            reason = message_problem(prompt)
-            if reason:
-                problems.setdefault("bad_messages", []).append(index)
-                reasons[index] = reason
-                continue
-            this = "messages"
-        elif not isinstance(prompt, str):
-            problems.setdefault("not_a_string", []).append(index)
-            continue
-        elif not prompt.strip():
-            problems.setdefault("empty_prompt", []).append(index)
-            continue
-        else:
-            this = "text"
-        kind = kind or this
-        if this != kind:
-            problems.setdefault("mixed_kinds", []).append(index)
-    return problems, reasons
+    limit: int
+    source: str
+    field: str
+    after: int
 
 
-def _format_problems(frame: pd.DataFrame, renderer, skip: set[int]) -> list[tuple[str, str]]:
-    """Problems of the prompt format as a whole (not fixed by dropping rows): chat messages or a system
-    prompt with no chat template to render them."""
-    from operators.common.prompts import is_messages
+def length_budget(cfg: JobConfig, model_path: str, max_new_tokens: int | None = None) -> LengthBudget | None:
+    """The prompt budget of `cfg`'s engine and model (None: the model's config.json gives no context length).
+    Multi-turn: an episode's turns and observations share one budget after the prompt. `max_new_tokens`:
+    another response length than rollout.max_new_tokens (the evaluator's)."""
+    limit, source = model_context_length(cfg, model_path)
+    if limit is None:
+        return None
+    env = cfg.rollout.environment
+    if env is not None:
+        return LengthBudget(limit, source, "rollout.environment.max_episode_tokens", env.max_episode_tokens)
+    if max_new_tokens is not None and max_new_tokens != cfg.rollout.max_new_tokens:
+        return LengthBudget(limit, source, "eval.max_new_tokens", max_new_tokens)
+    return LengthBudget(limit, source, "rollout.max_new_tokens", cfg.rollout.max_new_tokens)
 
-    prompts = frame["prompt"].tolist()
-    messages = any(is_messages(prompts[i]) for i in range(len(prompts)) if i not in skip)
-    fmt = renderer.fmt
-    if messages and fmt.chat_template == "none":
-        return [("data.chat_template", "the prompts are chat messages, which 'none' cannot render; use 'auto' (the "
-                 "tokenizer's chat template) or a Jinja template file")]
-    if renderer.has_template or fmt.chat_template == "none":
+
+class PromptRows:
+    """One dataset's rows, taken a chunk at a time (`add`) and checked as Generate will read them. `renderer`
+    (operators.common.prompts.PromptRenderer) and `budget`: None when the model is not at hand, then lengths
+    and the chat template are not checked. `where`: the dataset's section ("data", "eval.data")."""
+
+    def __init__(self, data: DataConfig, where: str = "data", renderer=None, budget: LengthBudget | None = None):
+        self.data, self.where, self.renderer, self.budget = data, where, renderer, budget
+        self.rows = 0
+        self.problems: dict[str, list[int]] = {}
+        self.reasons: dict[int, str] = {}  # what is wrong with each row of malformed messages
+        self.ids: dict[int, str] = {}  # the id of each flagged row
+        self.seen: set[str] = set()
+        self.kind: str | None = None  # "text" or "messages": the first well-formed row's
+        self.messages = False  # a well-formed row is chat messages
+        self.longest = 0
+        self.templated_too_long: bool | None = None  # whether the first prompt too long was rendered by a template
+
+    def add(self, prompts: list, ids: list[str] | None = None) -> None:
+        """The next rows: their prompts and their ids as text (default: made from the row, as load_prompts does)."""
+        offset = self.rows
+        self.rows += len(prompts)
+        ids = ids if ids is not None else [f"row-{offset + i:08d}" for i in range(len(prompts))]
+        flagged = self._prompt_problems(prompts, ids, offset)
+        flagged |= self._too_long(prompts, ids, offset, flagged)
+        if self.data.id_column:
+            for i, prompt_id in enumerate(ids):
+                if i in flagged:
+                    continue
+                if not prompt_id.strip():
+                    self._flag("empty_id", offset + i, prompt_id)
+                elif prompt_id in self.seen:  # the first row with an id keeps it
+                    self._flag("duplicate_id", offset + i, prompt_id)
+                else:
+                    self.seen.add(prompt_id)
+
+    def _flag(self, kind: str, index: int, prompt_id: str, reason: str | None = None) -> None:
+        self.problems.setdefault(kind, []).append(index)
+        self.ids[index] = prompt_id
+        if reason:
+            self.reasons[index] = reason
+
+    def _prompt_problems(self, prompts: list, ids: list[str], offset: int) -> set[int]:
+        """Flag a missing, blank, malformed or non-text prompt, and a row of the other kind than the first
+        well-formed row; the chunk's positions flagged."""
+        from operators.common.prompts import is_messages, message_problem
+
+        flagged = set()
+        for i, prompt in enumerate(prompts):
+            kind, reason, this = None, None, "text"
+            if prompt is None or prompt is pd.NA or (isinstance(prompt, float) and np.isnan(prompt)):
+                kind = "missing_prompt"
+            elif is_messages(prompt):
+                reason = message_problem(prompt)
+                kind = "bad_messages" if reason else None
+                this = "messages"
+            elif not isinstance(prompt, str):
+                kind = "not_a_string"
+            elif not prompt.strip():
+                kind = "empty_prompt"
+            if kind is None:
+                self.kind = self.kind or this
+                kind = "mixed_kinds" if this != self.kind else None
+                self.messages |= kind is None and this == "messages"
+            if kind is not None:
+                self._flag(kind, offset + i, ids[i], reason)
+                flagged.add(i)
+        return flagged
+
+    def _too_long(self, prompts: list, ids: list[str], offset: int, flagged: set[int]) -> set[int]:
+        """Flag the prompts whose tokens (rendered as Generate renders them) leave the response too little of
+        the model's context; a prompt the format cannot render is left to `format_problems`."""
+        renderer, budget = self.renderer, self.budget
+        if renderer is None or budget is None or renderer.template_problem is not None:
+            return set()
+        candidates = [i for i in range(len(prompts)) if i not in flagged and renderer.problem(prompts[i]) is None]
+        if not candidates:
+            return set()
+        counts = prompt_token_counts([prompts[i] for i in candidates], renderer)
+        self.longest = max(self.longest, int(counts.max()))
+        too_long = {i for i, count in zip(candidates, counts) if count > budget.limit - budget.after}
+        for i in sorted(too_long):
+            self._flag("too_long", offset + i, ids[i])
+            if self.templated_too_long is None:
+                self.templated_too_long = renderer.uses_template(prompts[i])
+        return too_long
+
+    def format_problems(self) -> list[tuple[str, str]]:
+        """Problems of the prompt format as a whole (not fixed by dropping rows): a chat template that does not
+        render, chat messages or a system prompt with no chat template to render them."""
+        renderer, field = self.renderer, f"{self.where}.chat_template"
+        if renderer is None:
+            return []
+        fmt = renderer.fmt
+        if self.messages and fmt.chat_template == "none":
+            return [(field, "the prompts are chat messages, which 'none' cannot render; use 'auto' (the "
+                     "tokenizer's chat template) or a Jinja template file")]
+        needed = renderer.template is not None or self.messages or fmt.system_prompt is not None
+        if renderer.template_problem is not None and needed and fmt.chat_template != "none":
+            return [(field, renderer.template_problem)]
+        if renderer.has_template or fmt.chat_template == "none":
+            return []
+        if self.messages:
+            return [(field, "the prompts are chat messages, but the model's tokenizer has no chat template; set "
+                     f"{field} to a Jinja template file, or give text prompts")]
+        if fmt.system_prompt is not None:
+            return [(f"{self.where}.system_prompt", "a system prompt needs a chat template, and the model's "
+                     f"tokenizer has none; set {field} to a Jinja template file, or remove "
+                     f"{self.where}.system_prompt")]
         return []
-    if messages:
-        return [("data.chat_template", "the prompts are chat messages, but the model's tokenizer has no chat "
-                 "template; set data.chat_template to a Jinja template file, or give text prompts")]
-    if fmt.system_prompt is not None:
-        return [("data.system_prompt", "a system prompt needs a chat template, and the model's tokenizer has none; "
-                 "set data.chat_template to a Jinja template file, or remove data.system_prompt")]
-    return []
 
+    def _label(self, index: int) -> str:
+        prompt_id = self.ids[index]
+        return f"{prompt_id!r} (row {index})" if self.data.id_column and prompt_id.strip() else f"row {index}"
 
-def _id_problems(frame: pd.DataFrame, data: DataConfig, skip: set[int]) -> dict[str, list[int]]:
-    """Rows (not in `skip`) with an empty id, or an id an earlier row (not in `skip`) already has."""
-    problems: dict[str, list[int]] = {}
-    if not data.id_column:
-        return problems  # ids made from the row index are unique
-    seen: set[str] = set()
-    for index, prompt_id in enumerate(frame["prompt_id"].astype(str).tolist()):
-        if index in skip:
-            continue
-        if not prompt_id.strip():
-            problems.setdefault("empty_id", []).append(index)
-        elif prompt_id in seen:  # the first row with an id keeps it
-            problems.setdefault("duplicate_id", []).append(index)
-        else:
-            seen.add(prompt_id)
-    return problems
+    def describe(self, suggest_drop: bool = True) -> list[tuple[str, str]]:
+        """One problem per kind: the count, the first few rows (with what is wrong, for malformed messages), the
+        fix."""
+        out = []
+        for kind, rows in self.problems.items():
+            shown = ", ".join(self._label(i) + (f" ({self.reasons[i]})" if i in self.reasons else "")
+                              for i in rows[:SHOWN]) + (", ..." if len(rows) > SHOWN else "")
+            detail, fix = "", f"fix or remove them (column {self.data.prompt_column!r})"
+            if kind == "too_long":
+                budget = self.budget
+                templated = " (chat template applied)" if self.templated_too_long else ""
+                detail = (f" (prompt tokens{templated} + {budget.field}={budget.after} must be at most "
+                          f"{budget.limit}, from {budget.source}; the longest prompt has {self.longest} tokens)")
+                fix = f"shorten or remove them, or lower {budget.field}"
+            elif kind == "empty_id":
+                fix = f"give every row an id in column {self.data.id_column!r}"
+            elif kind == "duplicate_id":
+                fix = f"make the ids in column {self.data.id_column!r} unique"
+            drop = f", or set {self.where}.invalid_prompts: drop to skip them" if suggest_drop else ""
+            out.append((f"{self.where}.path", f"{len(rows)} of {self.rows} rows {KIND_TEXT[kind]}{detail}: {shown} "
+                        f"(rows count from 0, header excluded); {fix}{drop}"))
+        return out
 
+    def outcome(self) -> tuple[list[tuple[str, str]], list[int], dict[str, list[str]]]:
+        """(problems, the positions of the rows to drop, the report: per kind the ids of its rows dropped).
 
-def _flagged(problems: dict[str, list[int]]) -> set[int]:
-    return {index for rows in problems.values() for index in rows}
-
-
-def _label(frame: pd.DataFrame, index: int, data: DataConfig) -> str:
-    prompt_id = str(frame["prompt_id"].iat[index])
-    if data.id_column and prompt_id.strip():
-        return f"{prompt_id!r} (row {index})"
-    return f"row {index}"
-
-
-def _describe(
-    problems: dict[str, list[int]], frame: pd.DataFrame, data: DataConfig, context: str | None,
-    suggest_drop: bool = True, reasons: dict[int, str] | None = None,
-) -> list[tuple[str, str]]:
-    """One ConfigError problem per kind: the count, the first few rows (with what is wrong, for malformed
-    messages), the fix."""
-    out = []
-    reasons = reasons or {}
-    for kind, rows in problems.items():
-        shown = ", ".join(_label(frame, i, data) + (f" ({reasons[i]})" if i in reasons else "")
-                          for i in rows[:SHOWN]) + (", ..." if len(rows) > SHOWN else "")
-        detail = f" ({context})" if kind == "too_long" and context else ""
-        fix = {
-            "too_long": "shorten or remove them, or lower rollout.max_new_tokens",
-            "empty_id": f"give every row an id in column {data.id_column!r}",
-            "duplicate_id": f"make the ids in column {data.id_column!r} unique",
-        }.get(kind, f"fix or remove them (column {data.prompt_column!r})")
-        drop = ", or set data.invalid_prompts: drop to skip them" if suggest_drop else ""
-        message = (f"{len(rows)} of {len(frame)} rows {KIND_TEXT[kind]}{detail}: {shown} "
-                   f"(rows count from 0, header excluded); {fix}{drop}")
-        out.append(("data.path", message))
-    return out
+        Problems: no rows; a format that cannot render the prompts (whatever invalid_prompts says); with
+        invalid_prompts: error any invalid row; with drop, every row invalid."""
+        if self.rows == 0:
+            return [(f"{self.where}.path", f"{self.data.path!r} holds no prompts (0 rows); give a dataset with at "
+                     "least one row")], [], {}
+        found = self.format_problems()
+        if found:
+            return found + self.describe(), [], {}
+        if not self.problems:
+            return [], [], {}
+        if self.data.invalid_prompts == "error":
+            return self.describe(), [], {}
+        dropped = sorted({index for rows in self.problems.values() for index in rows})
+        if len(dropped) == self.rows:
+            return ([(f"{self.where}.invalid_prompts", f"all {self.rows} prompts are invalid, so none is left to "
+                      "train on")] + self.describe(suggest_drop=False)), [], {}
+        report = {kind: [self.ids[i] or f"row {i}" for i in rows] for kind, rows in self.problems.items()}
+        return [], dropped, report
 
 
 def model_context_length(cfg: JobConfig, model_path: str) -> tuple[int | None, str]:
@@ -192,12 +272,12 @@ def prompt_token_counts(prompts: list, renderer) -> np.ndarray:
 
 def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str,
                      prompt_options: dict | None = None) -> tuple[pd.DataFrame, dict]:
-    """Check every prompt row; return the rows kept and a report of the rows dropped.
+    """Check every row of a prompt table (`load_prompts`'s); return the rows kept and a report of the rows dropped.
 
     Prompts are rendered as Generate renders them (operators/common/prompts.py; `prompt_options`: the
     PromptFormat fields, default `cfg.prompt_options()`), so lengths count the chat template too.
-    A format that cannot render the prompts (chat messages or a system prompt without a chat template)
-    is an error whatever `invalid_prompts` says.
+    A format that cannot render the prompts (chat messages or a system prompt without a chat template, a
+    template that does not render) is an error whatever `invalid_prompts` says.
 
     Invalid rows: a missing, empty or whitespace-only prompt, one that is neither text nor chat
     messages, malformed messages (each row's problem is named), a row of the other kind than the first
@@ -214,54 +294,18 @@ def validate_prompts(prompts: pd.DataFrame, cfg: JobConfig, model_path: str,
     to the prompt ids of its dropped rows (only kinds that occurred; `{}` when all are valid).
     Dropping every row is an error too. A row counts under its first kind only.
     """
-    from operators.common.prompts import PromptFormat, PromptError, PromptRenderer
+    from operators.common.prompts import PromptError, PromptFormat, PromptRenderer
 
     data = cfg.data
     frame = prompts.reset_index(drop=True)
-    if frame.empty:
-        raise ConfigError([("data.path", f"{data.path!r} holds no prompts (0 rows); give a dataset with at least "
-                            "one row")],
-                          data.path)
-    problems, reasons = _prompt_problems(frame)
     try:
         renderer = PromptRenderer(load_tokenizer(model_path, cfg.model.trust_remote_code),
                                   PromptFormat(**(prompt_options or cfg.prompt_options())))
     except PromptError as err:  # a template file that does not exist
         raise ConfigError([("data.chat_template", str(err))], data.path) from None
-    format_problems = _format_problems(frame, renderer, _flagged(problems))
-    if format_problems:
-        raise ConfigError(format_problems + _describe(problems, frame, data, None, reasons=reasons), data.path)
-    candidates = [i for i in range(len(frame)) if i not in _flagged(problems)]
-    limit, source = model_context_length(cfg, model_path)
-    context = None
-    if limit is not None and candidates:
-        texts = frame["prompt"].tolist()
-        counts = prompt_token_counts([texts[i] for i in candidates], renderer)
-        # multi-turn: an episode's turns and observations share one budget after the prompt
-        env = cfg.rollout.environment
-        field, after = (("rollout.environment.max_episode_tokens", env.max_episode_tokens) if env is not None
-                        else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
-        budget = limit - after
-        too_long = [i for i, count in zip(candidates, counts) if count > budget]
-        if too_long:
-            problems["too_long"] = too_long
-            templated = " (chat template applied)" if renderer.uses_template(texts[too_long[0]]) else ""
-            context = (f"prompt tokens{templated} + {field}={after} must be at most "
-                       f"{limit}, from {source}; the longest prompt has {int(counts.max())} tokens")
-    problems |= _id_problems(frame, data, _flagged(problems))
-    if not problems:
-        return frame, {}
-    source_name = data.path
-    if data.invalid_prompts == "error":
-        raise ConfigError(_describe(problems, frame, data, context, reasons=reasons), source_name)
-    dropped = sorted(_flagged(problems))
-    if len(dropped) == len(frame):
-        described = _describe(problems, frame, data, context, suggest_drop=False, reasons=reasons)
-        raise ConfigError(
-            [("data.invalid_prompts", f"all {len(frame)} prompts are invalid, so none is left to train on")]
-            + described, source_name,
-        )
-    ids = frame["prompt_id"].astype(str).tolist()
-    report = {kind: [ids[i] or f"row {i}" for i in rows] for kind, rows in problems.items()}
-    kept = frame.drop(index=dropped).reset_index(drop=True)
-    return kept, report
+    rows = PromptRows(data, "data", renderer, length_budget(cfg, model_path))
+    rows.add(frame["prompt"].tolist(), frame["prompt_id"].astype(str).tolist())
+    problems, dropped, report = rows.outcome()
+    if problems:
+        raise ConfigError(problems, data.path)
+    return frame.drop(index=dropped).reset_index(drop=True), report

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.data.model_cache import build_cached
+from pipelines.data.model_cache import build_cached, built_folder
 from pipelines.data.tiny import CHARS, DEFAULT_MODEL_CONFIG, SPECIAL_TOKENS, build_char_tokenizer
 
 # Bump when the build recipe changes in a way the parameters do not capture.
@@ -265,3 +265,8 @@ def build_tiny_model(cache_dir: str | Path | None = None, seed: int = 0, **overr
     """
     params = _build_params(seed, overrides)
     return build_cached(cache_dir, "tiny-llama-arith", params, build_char_tokenizer, warm_up_and_save, threads=2)
+
+
+def cached_tiny_model() -> str | None:
+    """The default tiny model's folder (builtin:tiny-arith) when it is built, else None: nothing is built."""
+    return built_folder(None, "tiny-llama-arith", _build_params(0, {}))

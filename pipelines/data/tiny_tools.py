@@ -27,7 +27,7 @@ import torch
 
 from operators.environments.environment import MAX_EXPRESSION_CHARS, MAX_MAGNITUDE, calculator  # noqa: F401 - the task's tool
 from operators.stages.reward import tool_answer_exact  # noqa: F401 - the task's reward
-from pipelines.data.model_cache import build_cached
+from pipelines.data.model_cache import build_cached, built_folder
 from pipelines.data.tiny import CHARS, SPECIAL_TOKENS, build_char_tokenizer, choose_split, load_model, problem_table
 from pipelines.data.tiny_build import split_overrides, warm_up_and_save
 
@@ -264,6 +264,11 @@ def build_tiny_tool_model(cache_dir: str | Path | None = None, seed: int = 0, **
     """
     return build_cached(cache_dir, "tiny-llama-tools", _build_params(seed, overrides), build_tool_tokenizer, _build,
                         threads=1)
+
+
+def cached_tiny_tool_model() -> str | None:
+    """The default tool model's folder (builtin:tiny-tools) when it is built, else None: nothing is built."""
+    return built_folder(None, "tiny-llama-tools", _build_params(0, {}))
 
 
 # ---------------------------------------------------------------------------- evaluate

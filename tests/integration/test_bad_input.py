@@ -291,7 +291,7 @@ def test_cli_run_rejects_a_truncated_jsonl(tmp_path):
     lines = jsonl_lines(40)
     data.write_text("\n".join(lines[:30]) + "\n" + lines[30][:11])
     out, seconds = cli(tmp_path, "validate", data)
-    assert out.returncode == 0  # the config check reads only the first rows
+    assert out.returncode == 2 and "line 31 is not valid JSON" in out.stderr  # validate reads every row, as run does
     out, seconds = cli(tmp_path, "run", data)
     assert_refused_before_anything_started(out, seconds, tmp_path)
     assert "data.path" in out.stderr and "line 31 is not valid JSON" in out.stderr and "export it again" in out.stderr
@@ -366,6 +366,7 @@ def test_crashing_reward_process_costs_its_batch_only(capfd):
     [("arithmetic_exact", 1.0)],
     [("reward_fixtures:flaky_length", 1.0), ("arithmetic_exact", 10.0)],  # raises: per-sample fallback
     [("reward_fixtures:none_for_empty", 2.0)],
+    [("reward_fixtures:always_raises", 1.0), ("arithmetic_exact", 1.0)],  # named in reward_raised, in both
 ])
 def test_sandbox_scores_equal_in_process(functions):
     batch = group_batch([["12", "17", "", "1 2"], ["7", "abc", "07", "-7"], ["3", "3x", "33", " 3 "]], ["12", "7", "3"])

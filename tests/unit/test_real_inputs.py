@@ -109,10 +109,11 @@ def _broken_copy(source: str, tmp_path: Path, name: str) -> Path:
 def test_a_broken_model_folder_is_named_with_the_fix_before_anything_starts(tmp_path, tiny_model_path, capsys):
     """config.json that is not JSON or that transformers cannot read, a tokenizer that does not load, and one
     without the special tokens the engines need: `streamrl validate` exits 2 naming each; a job refuses the
-    folder the same way before any actor starts (resolve_job_models)."""
+    folder the same way before any actor starts (the same check, pipelines/data/inputs.py)."""
     import json
 
-    from pipelines.data.models import model_folder_problems, resolve_job_models
+    from pipelines.data.inputs import check_inputs
+    from pipelines.data.models import model_folder_problems
 
     assert model_folder_problems(tiny_model_path) == []
     not_json = _broken_copy(tiny_model_path, tmp_path, "not_json")
@@ -143,7 +144,7 @@ def test_a_broken_model_folder_is_named_with_the_fix_before_anything_starts(tmp_
         for part in parts:
             assert part in err, (folder.name, part, err)
     with pytest.raises(ConfigError, match="does not load"):
-        resolve_job_models(load_config(ROOT / "configs" / "tiny_grpo.yaml", [f"model.path={no_tokenizer}"]))
+        check_inputs(load_config(ROOT / "configs" / "tiny_grpo.yaml", [f"model.path={no_tokenizer}"]), resolve=True)
 
 
 def test_corrupt_metadata_is_named_and_does_not_hide_the_other_runs(tmp_path):
