@@ -30,6 +30,7 @@ import io
 import json
 import pickle
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -249,4 +250,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

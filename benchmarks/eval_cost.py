@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.command_line import EXIT_BAD_CONFIG, check_config, refused
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -35,6 +37,8 @@ def run_once(config: str, with_eval: bool) -> dict:
         start = time.perf_counter()
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         wall = time.perf_counter() - start
+    if proc.returncode == EXIT_BAD_CONFIG:
+        raise refused(proc.stderr)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     lines = proc.stdout.splitlines()
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--config", default="configs/tiny_grpo.yaml")
     args = parser.parse_args()
+    check_config(args.config, [])
     load_before = os.getloadavg()
     run_once(args.config, True), run_once(args.config, False)  # warm-up: caches, compiled kernels
     pairs = []
@@ -81,4 +86,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -161,4 +162,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -295,4 +296,6 @@ def section(report: dict, name: str, out: str | None, run) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

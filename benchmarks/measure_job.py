@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.command_line import EXIT_BAD_CONFIG, BadConfig, check_config
+
 
 def tree(root: psutil.Process) -> list[psutil.Process]:
     try:
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--name", default=None, help="result file suffix (default: config stem)")
     args = parser.parse_args()
+    check_config(args.config, args.overrides)
     command = [sys.executable, "-m", "pipelines.cli", "run", args.config]
     for item in args.overrides:
         command += ["--set", item]
@@ -76,6 +79,8 @@ def main() -> None:
     code = proc.wait()
     done.set()
     watcher.join()
+    if code == EXIT_BAD_CONFIG:  # refused before it started (its message is above): no measurement to record
+        raise BadConfig("")
     wall = time.perf_counter() - start
     summary = next((l for l in reversed(lines) if "success rate first 10" in l), "")
     numbers = re.findall(r"(\d+\.\d+)", summary)
@@ -103,4 +108,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -94,4 +94,6 @@ def main() -> None:
          "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import race_curves
+from benchmarks.command_line import run_command
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("0", "default", "2")
@@ -186,4 +187,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -144,4 +144,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn
-    sys.exit(main())
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -128,4 +129,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -35,13 +35,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.command_line import run_child
 from benchmarks.throughput_runs import run_dag, run_plain
 
 HERE = Path(__file__).resolve().parent
@@ -338,7 +338,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--one", mode, "--out", str(out), "--steps", str(args.steps),
                    "--engine", args.engine, "--size", args.size] + [x for s in args.set for x in ("--set", s)]
         command += ["--ray-timeline"] if args.ray_timeline else []
-        subprocess.run(command, check=True, cwd=ROOT)
+        run_child(command, cwd=ROOT)
         results[mode] = json.loads(out.read_text())
         out.unlink()
         r = results[mode]
@@ -360,4 +360,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.command_line import run_command
+
+    sys.exit(run_command(main))

@@ -16,11 +16,11 @@ SIGTERM after a checkpoint (train.on_preempt; resumable, the command is printed)
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pipelines.config.base import ConfigError
 from pipelines.config.load import load_config
+from pipelines.runtime.quiet import quiet_driver
 
 EXIT_BAD_CONFIG = 2
 
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamrl", description="Asynchronous streaming RL post-training on Ray Data.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (
-        ("run", "run a job"), ("validate", "check a config and print it resolved"),
+        ("run", "run a job"), ("validate", "check a config and everything it reads (every dataset row, the "
+                                    "models, the reward functions' columns) as `run` does, and print it resolved"),
         ("submit", "submit a job to a running Ray cluster and follow it"),
         ("sync", "deliver to MLflow what a run could not before it ended (an outage at its end)"),
     ):
@@ -172,15 +173,9 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def quiet_libraries() -> None:
-    """The command line prints streamrl's own lines: MLflow's INFO lines on creating or upgrading the
-    sqlite store's tables (every first run) go. Warnings and errors of every library still show."""
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    quiet_libraries()
+    quiet_driver()  # streamrl's own lines only: pipelines/runtime/quiet.py says what goes and why
     if args.command == "submit":
         return _submit(args)
     if args.command == "lineage":
@@ -195,12 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in cfg.algorithm.chosen():  # fields the algorithm set because the config left them unset
         print(f"streamrl: {line}", file=sys.stderr if args.command == "validate" else sys.stdout)
     if args.command == "validate":
-        from pipelines.data.models import cached_model_path, model_folder_problems
+        from pipelines.data.inputs import check_inputs
 
-        folder = cached_model_path(cfg.model.path, cfg.model.revision)  # nothing is downloaded or built to check
-        problems = model_folder_problems(folder, "model.path", cfg.model.trust_remote_code) if folder else []
-        if problems:
-            print(f"error: {ConfigError(problems, args.config)}", file=sys.stderr)
+        try:  # the check `streamrl run` makes before it starts anything; nothing is downloaded or built
+            check_inputs(cfg, lambda line: print(line, file=sys.stderr), source=args.config)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_CONFIG
         print(cfg.model_dump_json(indent=2))
         return 0

@@ -105,6 +105,7 @@ class Chatter:
     gets the observation '+1='. Only max_turns and the token budget end its episodes."""
 
     stop = tuple("0123456789")
+    columns = ("answer",)
 
     def reset(self, row):
         self.answer = row["answer"]
@@ -132,6 +133,7 @@ class WrongAnswers:
     error, not the group or the step."""
 
     stop = tuple("0123456789")
+    columns = ("answer",)
 
     def reset(self, row):
         self.kind = row["answer"]
@@ -145,14 +147,15 @@ class WrongAnswers:
 
 
 # Sandbox escapes (tests/integration/test_sandbox.py): each does what the sandbox must contain.
-def start_sleeper_and_hang(completions, pid_file, **kwargs):
-    """Starts a grandchild (`sleep`), writes its pid to the row's `pid_file`, then never answers."""
+def start_sleeper_and_hang(completions, **kwargs):
+    """Starts a grandchild (`sleep`), says its pid on stderr ("sleeper pid N": a file would land in the
+    sandbox's private /tmp under bubblewrap), then never answers."""
     import subprocess
+    import sys
     import time
 
     sleeper = subprocess.Popen(["sleep", "1000"])
-    with open(pid_file[0], "w") as out:
-        out.write(str(sleeper.pid))
+    print(f"sleeper pid {sleeper.pid}", file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
 
@@ -174,11 +177,46 @@ def allocate_two_gib(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-def write_two_mib(completions, tmp_file, **kwargs):
-    """1.0 after writing 2 MiB to the row's `tmp_file`."""
-    with open(tmp_file[0], "wb") as out:
-        out.write(b"x" * (2 << 20))
+def write_two_mib(completions, tmp_name, **kwargs):
+    """1.0 after writing 2 MiB to the file named by the row's `tmp_name` in the temporary folder; says on
+    stderr how many bytes the file holds either way (the parent cannot see the sandbox's private /tmp)."""
+    import os
+    import sys
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), tmp_name[0])
+    try:
+        with open(path, "wb") as out:
+            out.write(b"x" * (2 << 20))
+    finally:
+        print(f"write_two_mib: {os.path.getsize(path)} bytes", file=sys.stderr, flush=True)
+        os.remove(path)
     return [1.0] * len(completions)
+
+
+def writes(completions, **kwargs):
+    """Per completion, a file path: 1.0 when the process can create that file and write to it, else 0.0."""
+    scores = []
+    for path in completions:
+        try:
+            with open(path, "w") as out:
+                out.write("escaped")
+            scores.append(1.0)
+        except OSError:
+            scores.append(0.0)
+    return scores
+
+
+def connects(completions, port, **kwargs):
+    """1.0 when a TCP connection to 127.0.0.1 at the row's `port` opens, else 0.0."""
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", int(port[0])), timeout=10).close()
+        reached = 1.0
+    except OSError:
+        reached = 0.0
+    return [reached] * len(completions)
 
 
 def network_interfaces(completions, **kwargs):
@@ -226,3 +264,13 @@ class _StrThatRunsOnUnpickle(str):
 def unpickle_trap_tool(arguments):
     """A string (a subclass) whose pickle creates the file named by the arguments."""
     return _StrThatRunsOnUnpickle(arguments)
+
+
+def trl_style(completions, prompts, completion_ids, **kwargs):
+    """A reward written for another trainer's call: it takes arguments streamrl does not pass."""
+    return [1.0] * len(completions)
+
+
+def always_raises(completions, **kwargs):
+    """A reward function that fails on every sample (a judge that cannot be reached)."""
+    raise ConnectionError("the judge at http://127.0.0.1:9 refused the connection")

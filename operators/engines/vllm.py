@@ -54,6 +54,7 @@ import numpy as np
 
 from operators.engines.base import GroupSample, SamplingParams
 from operators.common.prompts import cut_at_stop, stop_token_ids
+from operators.common.quiet import quiet_vllm
 from operators.weights.buckets import WeightSet, as_weight_set
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ def llm_options(model_path: str, trust_remote_code: bool, gpu_memory_utilization
         # log-probs after temperature, like HFEngine (see the module docstring)
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
+        use_tqdm_on_load=False,  # a progress bar per engine start for a load that takes seconds
     )
     options.update(extra)
     options.update(whole_prefill_budget(options))
@@ -271,7 +273,9 @@ class VLLMBase:
     def _set_up(self, model_path: str, trust_remote_code: bool, torch_threads: int | None,
                 gpu_memory_utilization: float, max_model_len: int | None, enforce_eager: bool, dtype: str,
                 seed: int, extra: Mapping[str, Any]) -> dict[str, Any]:
-        """Bind threads, load the tokenizer, make the weight file; the engine arguments."""
+        """Bind threads, load the tokenizer, make the weight file; the engine arguments. First of all, before
+        vLLM is imported: its known noise filtered (operators/common/quiet.py)."""
+        quiet_vllm()
         bind_threads(torch_threads, int(extra.get("tensor_parallel_size") or 1))
         self.model_path = str(model_path)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code)
@@ -304,10 +308,10 @@ class VLLMEngine(VLLMBase):
         seed: int = 0,
         **extra_llm_kwargs: Any,
     ):
-        from vllm import LLM
-
         options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization, max_model_len,
                                enforce_eager, dtype, seed, extra_llm_kwargs)
+        from vllm import LLM
+
         self.logprobs_mode = options["logprobs_mode"]
         start = time.perf_counter()
         self.llm = LLM(**options)

@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 from operators.engines.base import SamplingParams, TokenDelta
 from operators.engines.vllm import GREEDY_EPS, VLLMBase, request_sampling, sampled_logprobs
 from operators.common.prompts import first_stop
+from operators.common.quiet import quiet_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class AsyncVLLMEngine(VLLMBase):
             raise ValueError(f"weight_transfer {weight_transfer!r}: this engine receives on 'gloo' (or None)")
         self.weight_transfer, self.weight_timeout_s = weight_transfer, float(weight_timeout_s)
         if weight_transfer == "gloo":
+            quiet_vllm()  # before the import below imports vLLM
             from operators.weights.vllm_gloo import BACKEND
 
             extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": BACKEND}}
@@ -103,9 +105,17 @@ class AsyncVLLMEngine(VLLMBase):
         async for delta in self._one(prompt, sampling, request_id, sample=None):
             yield delta
 
+    def _engine_input(self, prompt: dict):
+        """The prompt as vLLM's renderer makes it, as InputProcessor would: a raw prompt given to generate takes
+        a deprecated path that warns on every engine."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        (engine_input,) = self.engine.renderer.render_cmpl([parse_model_prompt(self.engine.model_config, prompt)])
+        return engine_input
+
     async def _one(self, prompt: dict, sampling, request_id: str, sample: int | None) -> AsyncIterator[TokenDelta]:
         seen_eos: set[int] = set()
-        async for output in self.engine.generate(prompt, sampling, request_id):
+        async for output in self.engine.generate(self._engine_input(prompt), sampling, request_id):
             for completion in output.outputs:
                 index = completion.index if sample is None else sample
                 tokens = list(completion.token_ids)

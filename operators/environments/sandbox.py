@@ -8,22 +8,21 @@ What the child gets (see `SandboxLimits`):
 - an environment of allow-listed variables only: secrets of the parent (MLFLOW_TRACKING_TOKEN,
   AWS_*, HF_TOKEN) never reach it, not even in /proc/<child>/environ;
 - its replies are JSON, capped in size: the parent never unpickles what the child sends;
-- no network where the machine lets an unprivileged process make a user and a network namespace
-  (`unshare -rn`); detected once per process and said on stderr either way.
+- where bubblewrap works, a read-only filesystem with a private /tmp and no network; else no network
+  where the machine lets an unprivileged process make a user and a network namespace (`unshare -rn`):
+  operators/environments/isolation.py, detected once per process.
 
-It is not a security boundary against a determined attacker: without filesystem isolation the child
-reads what the job's user can read (without the namespaces, /proc/<parent>/environ too: the secrets),
-and a kernel exploit escapes any of this. Run untrusted code in a container or gVisor.
+It is not a security boundary against a determined attacker: the child reads what the job's user can read
+(without bubblewrap or the namespaces, /proc/<parent>/environ too: the secrets), and a kernel exploit
+escapes any of this. Run untrusted code in a container or gVisor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import multiprocessing.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +32,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+
+from operators.environments.isolation import PRIVATE, child_prefix, isolation, uses_bwrap
 
 # Variables the child keeps (and any LC_*): what Python, locales and temp files need, nothing secret.
 ENV_ALLOW = ("PATH", "HOME", "LANG", "TZ", "PYTHONPATH", "PYTHONHASHSEED", "TMPDIR", "LD_LIBRARY_PATH")
@@ -71,33 +72,6 @@ class SandboxLimits:
             raise ValueError(f"SandboxLimits.max_reply_bytes: at least 1024, got {self.max_reply_bytes}")
 
 
-# --- isolation: detected once per process ---------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def isolation(isolate_network: bool = True) -> tuple[tuple[str, ...], str]:
-    """(the command prefix that runs the child in its own user and network namespace, or (); the line
-    that says what the sandbox protects on this machine)."""
-    applies = "rlimits, a scrubbed environment and JSON replies apply"
-    if not isolate_network:
-        return (), f"streamrl: sandbox: network allowed (SandboxLimits.isolate_network is False), no filesystem " \
-                   f"isolation; {applies}"
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        why = "unshare not installed"
-    else:
-        try:
-            probe = subprocess.run([unshare, "-rn", "true"], capture_output=True, text=True, timeout=10)
-            why = None if probe.returncode == 0 else \
-                f"unshare -rn not permitted: {probe.stderr.strip() or f'exit code {probe.returncode}'}"
-        except (OSError, subprocess.TimeoutExpired) as err:
-            why = f"unshare -rn failed: {err}"
-    if why is None:
-        return (unshare, "-rn", "--"), f"streamrl: sandbox: no network (own user and network namespace, " \
-                                      f"unshare -rn); no filesystem isolation; {applies}"
-    return (), f"streamrl: sandbox: no network or filesystem isolation on this machine ({why}); {applies}"
-
-
 _reported: set[str] = set()
 _reported_lock = threading.Lock()
 
@@ -119,10 +93,12 @@ def child_env(pass_env: Sequence[str] = ()) -> dict[str, str]:
 # --- the child ------------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int | None) -> None:
     """Exit when the parent goes away, even in the middle of a hung call (a Ray actor may be
     SIGKILLed, which runs no cleanup): the kernel's parent-death signal on Linux, and a thread
-    that polls the parent pid everywhere."""
+    that polls the parent pid everywhere. `parent_pid` None: the parent is bwrap, which dies with the
+    actor (--die-with-parent) and whose pid the actor did not know when it wrote the spec."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -261,10 +237,12 @@ class Sandbox:
         # parent-death signal when the *thread* that forked the child exits, and a calling thread may be
         # short-lived (measured: children started from finished threads were SIGKILLed mid-call).
         self._starter = None
+        self._child_pid: int | None = None
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None and self.process.poll() is None else None
+        """The pid of the process that runs the functions (under bwrap, bwrap's child, not `process`)."""
+        return self._child_pid if self.process is not None and self.process.poll() is None else None
 
     def _start(self) -> None:
         prefix, line = isolation(self.limits.isolate_network)
@@ -272,14 +250,25 @@ class Sandbox:
             # Less isolation than asked for, on this actor's node: that is the user's to know, from here. The
             # full line, what the sandbox protects, the job's driver says once (pipelines/job.py).
             _report_once(line)
+        bwrap = uses_bwrap(prefix)
         parent_sock, child_sock = socket.socketpair()
         spec = {
-            "fd": child_sock.fileno(), "names": self.names, "kind": self.kind, "parent_pid": os.getpid(),
-            "sys_path": sys.path, "limits": dataclasses.asdict(self.limits), "own_user_namespace": bool(prefix),
+            "fd": child_sock.fileno(), "names": self.names, "kind": self.kind,
+            "parent_pid": None if bwrap else os.getpid(), "sys_path": sys.path,
+            "limits": dataclasses.asdict(self.limits), "own_user_namespace": bool(prefix),
         }
+        env = child_env(self.limits.pass_env)
+        if bwrap:
+            # Only the private /tmp is writable: temporary files go there whatever TMPDIR says here, and so do
+            # matplotlib's config and cache (reasoning-gym imports it), which would warn at every start that its
+            # folder under HOME is read-only.
+            env["TMPDIR"] = PRIVATE
+            env.setdefault("MPLCONFIGDIR", f"{PRIVATE}/matplotlib")
         try:
+            # bwrap passes the pipe's descriptor on to its child; it stays in the new session with it, so
+            # the kill of the session's process group reaches both.
             process = subprocess.Popen(
-                [*prefix, sys.executable, "-c", _BOOT, json.dumps(spec)], env=child_env(self.limits.pass_env),
+                [*child_prefix(prefix), sys.executable, "-c", _BOOT, json.dumps(spec)], env=env,
                 pass_fds=(child_sock.fileno(),), start_new_session=True, stdin=subprocess.DEVNULL,
             )
         finally:
@@ -299,11 +288,12 @@ class Sandbox:
             self.close()
             raise RuntimeError(f"the {self.kind} sandbox cannot load the {self.kind} functions {self.names}: "
                                f"{reply.get('error')}")
+        self._child_pid = reply["ready"] if isinstance(reply["ready"], int) else None
 
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # runs _stop_process once
-        self.process = self._conn = self._finalizer = None
+        self.process = self._conn = self._finalizer = self._child_pid = None
 
     def _receive(self, timeout_s: float) -> tuple[dict | None, str | None]:
         """(the child's reply, None), or (None, what went wrong); the child is stopped on any problem."""

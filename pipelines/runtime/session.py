@@ -14,6 +14,7 @@ import ray
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
 from pipelines.runtime.memory import object_store_problem
+from pipelines.runtime.quiet import spend_actor_restart_warning
 from pipelines.runtime.resources import Node, demands
 
 # Set in every Ray worker: quiet libraries, no hub access, CPU DeepSpeed unless a trainer rank has a GPU
@@ -42,6 +43,7 @@ def init_ray(
         # The cluster's own RAY_AUTH_MODE and token (in this environment, or the job's) decide: forcing
         # `disabled` would fail against a cluster that enforces tokens, and is not ours to choose.
         ray.init(address=address, logging_level=level, runtime_env={"env_vars": WORKER_ENV})
+        spend_actor_restart_warning()
         return
     # Ray 2.60 turns token auth on for a new local cluster unless RAY_AUTH_MODE says otherwise; it
     # guards the loopback ports against other users of this machine. The user's token (env, token
@@ -78,6 +80,7 @@ def init_ray(
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
         token_setup.setLevel(token_level)
+    spend_actor_restart_warning()
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from pipelines.config.data import BUILTIN_DATASET_PREFIX
+from pipelines.runtime.quiet import quiet_mlflow_dataset_sources
 
 PACKAGES = ("torch", "ray", "deepspeed", "mlflow", "transformers", "pyarrow", "pydantic", "streamrl")
 CODE_VERSION_ENV = "STREAMRL_CODE_VERSION"
@@ -67,6 +68,7 @@ def log_dataset_input(client, run, prompts: pd.DataFrame, source: str, context: 
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
+    quiet_mlflow_dataset_sources()  # a local file would warn that MLflow's one source class matches it twice
     dataset = mlflow.data.from_pandas(prompts, source=_dataset_source(source), name=dataset_name(source))
     if not any(item.dataset.digest == dataset.digest for item in run.inputs.dataset_inputs):
         # _to_mlflow_entity is private, but MlflowClient.log_inputs takes only the entity form.

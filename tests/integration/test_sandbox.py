@@ -1,12 +1,18 @@
 """The sandbox (operators/environments/sandbox.py) contains what a reward function or tool does in its child: its own
 children, secrets in the environment, memory and disk, oversized or pickled replies, and, where the
-machine permits it, the network. Real child processes, functions from tests/reward_fixtures.py."""
+machine permits it, the network and (with bubblewrap) writes outside a private /tmp. Real child processes,
+functions from tests/reward_fixtures.py."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import socket
 import subprocess
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +20,7 @@ import pytest
 
 from operators.environments.environment import ToolEnvironment
 from operators.stages.reward import Reward
+from operators.environments.isolation import APPLIES, bubblewrap, uses_bwrap
 from operators.environments.sandbox import Sandbox, SandboxLimits, isolation
 
 
@@ -38,13 +45,12 @@ def wait_gone(pid: int, seconds: float) -> bool:
     return gone(pid)
 
 
-def test_timeout_kills_the_functions_own_children(tmp_path):
-    pid_file = tmp_path / "sleeper.pid"
+def test_timeout_kills_the_functions_own_children(capfd):
     reward = Reward([("reward_fixtures:start_sleeper_and_hang", 1.0)], on_error=-1.0, timeout_s=2)
     try:
-        out = reward(batch(["1"], pid_file=str(pid_file)))
+        out = reward(batch(["1"]))
         assert out["rewards"].tolist() == [[-1.0]] and out["reward_timeouts"].tolist() == [1]
-        sleeper = int(pid_file.read_text())
+        sleeper = int(re.search(r"sleeper pid (\d+)", capfd.readouterr().err).group(1))
         assert wait_gone(sleeper, 5), f"the sandbox's grandchild {sleeper} outlived the timeout"
     finally:
         reward.close()
@@ -98,14 +104,14 @@ def test_memory_past_the_limit_fails_the_call_and_the_child_serves_the_next():
         reward.close()
 
 
-def test_writes_past_the_file_size_limit_fail_the_call(tmp_path):
+def test_writes_past_the_file_size_limit_fail_the_call(capfd):
     reward = Reward([("reward_fixtures:write_two_mib", 1.0)], on_error=-1.0, timeout_s=10,
                     limits=SandboxLimits(file_size_bytes=1 << 20))
     try:
-        out = reward(batch(["1"], tmp_file=str(tmp_path / "big")))
+        out = reward(batch(["1"], tmp_name=f"streamrl-fsize-{uuid.uuid4().hex}"))
         assert out["rewards"].tolist() == [[-1.0]] and out["reward_errors"].tolist() == [1]
-        assert (tmp_path / "big").stat().st_size == 1 << 20  # cut at the limit (EFBIG), the child alive
-        assert reward.sandbox.pid is not None
+        assert f"write_two_mib: {1 << 20} bytes" in capfd.readouterr().err  # cut at the limit (EFBIG)
+        assert reward.sandbox.pid is not None  # the child alive
     finally:
         reward.close()
 
@@ -139,8 +145,8 @@ def test_reply_scores_round_trip_through_json():
     NaN, infinities, not numbers) arrive as failures, as in the function's own process."""
     sandbox = Sandbox(["reward_fixtures:none_for_empty"], "reward")
     try:
-        scores, problem = sandbox.call("reward_fixtures:none_for_empty", ["a", "", "b"], {"answer": ["a", "x", "c"]}, 10)
-        assert problem is None and scores == [1.0, None, 0.0]
+        reply, problem = sandbox.call("reward_fixtures:none_for_empty", ["a", "", "b"], {"answer": ["a", "x", "c"]}, 10)
+        assert problem is None and reply == {"scores": [1.0, None, 0.0], "raised": None}  # it raised on no sample
     finally:
         sandbox.close()
     reward = Reward([("reward_fixtures:troublemaker", 1.0)], on_error=-1.0, timeout_s=10)
@@ -154,23 +160,67 @@ def test_reply_scores_round_trip_through_json():
 
 def test_isolation_is_what_this_machine_permits():
     prefix, line = isolation(True)
-    unshare = shutil.which("unshare")
-    permitted = unshare is not None and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0
-    assert bool(prefix) == permitted
-    if permitted:
-        assert "no network (own user and network namespace" in line and "no filesystem isolation" in line
+    bwrap, unshare = shutil.which("bwrap"), shutil.which("unshare")
+    bwrap_works = bwrap is not None and subprocess.run(
+        [bwrap, "--unshare-user", "--unshare-net", "--ro-bind", "/", "/", "--tmpfs", "/tmp", "true"],
+        capture_output=True).returncode == 0
+    unshare_works = unshare is not None and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0
+    assert uses_bwrap(prefix) == bwrap_works and bool(prefix) == (bwrap_works or unshare_works)
+    if bwrap_works:
+        assert "no network, a read-only filesystem with a private /tmp (bubblewrap)" in line
+    elif unshare_works:
+        assert "no network (own user and network namespace" in line and "no filesystem isolation (" in line
     else:
         assert "no network or filesystem isolation on this machine" in line
-    assert line.endswith("rlimits, a scrubbed environment and JSON replies apply")
+    assert line.endswith(APPLIES)
     reward = Reward([("reward_fixtures:network_interfaces", 1.0)], timeout_s=10)
     try:
         seen = reward(batch(["1"]))["rewards"].iloc[0][0]
     finally:
         reward.close()
-    if permitted:
+    if prefix:
         assert seen == 0.0  # loopback only
     allowed_prefix, allowed_line = isolation(False)
-    assert allowed_prefix == () and "network allowed" in allowed_line
+    assert "network allowed" in allowed_line and "--unshare-net" not in allowed_prefix
+    assert uses_bwrap(allowed_prefix) == bwrap_works  # files stay isolated when the network is allowed
+
+
+def bwrap_or_skip() -> None:
+    prefix, problem = bubblewrap(True)
+    if not prefix:
+        pytest.skip(f"no bubblewrap isolation on this machine ({problem})")
+
+
+def test_under_bubblewrap_the_child_writes_only_its_private_tmp(tmp_path):
+    bwrap_or_skip()
+    outside = Path(tempfile.mkdtemp(prefix="streamrl-sandbox-", dir="/var/tmp" if os.access("/var/tmp", os.W_OK)
+                                    else Path.home()))  # writable here, outside /tmp
+    private = Path("/tmp") / f"streamrl-private-{uuid.uuid4().hex}"
+    targets = [outside / "escaped", private, tmp_path / "escaped"]
+    reward = Reward([("reward_fixtures:writes", 1.0)], timeout_s=60)
+    try:
+        assert reward(batch([str(t) for t in targets]))["rewards"].tolist() == [[0.0, 1.0, 0.0]]
+        assert not any(t.exists() for t in targets)  # the one write that worked went to the child's own /tmp
+    finally:
+        reward.close()
+        shutil.rmtree(outside)
+        private.unlink(missing_ok=True)
+
+
+def test_under_bubblewrap_the_child_cannot_reach_the_loopback():
+    bwrap_or_skip()
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    isolated = Reward([("reward_fixtures:connects", 1.0)], timeout_s=60)
+    allowed = Reward([("reward_fixtures:connects", 1.0)], timeout_s=60, limits=SandboxLimits(isolate_network=False))
+    try:
+        assert isolated(batch(["1"], port=port))["rewards"].tolist() == [[0.0]]
+        # The same call with the network allowed reaches the server: what failed above was the network.
+        assert allowed(batch(["1"], port=port))["rewards"].tolist() == [[1.0]]
+    finally:
+        isolated.close()
+        allowed.close()
+        server.close()
 
 
 def test_limits_are_checked():
