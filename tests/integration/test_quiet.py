@@ -57,11 +57,13 @@ log.info("info below the level")
                  "from operators.common.quiet import write_logging_config\n")
     # vLLM's handler writes to stdout. (On stderr, Python's last-resort handler prints what vLLM logs while it is
     # imported, before any configuration: in the engine's own processes that line is not ours to filter.)
+    # Without the variables an engine started earlier in this process has set (vLLM reads the file they name).
+    ours = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL")
     quiet = python(configure + "configure_logging(LoggingConfig(log_level='WARNING', "
-                               "pylogging_config_file=write_logging_config('WARNING')))" + log_lines, stream="stdout")
+                               "pylogging_config_file=write_logging_config('WARNING')))" + log_lines, ours, "stdout")
     assert "a warning of another kind" in quiet and "(MainProcess" in quiet  # vLLM's own format
     assert "Triton" not in quiet and "Enforce eager" not in quiet and "info below" not in quiet
-    plain = python(configure + "configure_logging(LoggingConfig(log_level='WARNING'))" + log_lines, stream="stdout")
+    plain = python(configure + "configure_logging(LoggingConfig(log_level='WARNING'))" + log_lines, ours, "stdout")
     assert "Triton is not installed" in plain and "Enforce eager" in plain
 
 
