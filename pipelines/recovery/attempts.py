@@ -197,8 +197,7 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
                 raise
             failure = AttemptFailed(watch.lost, watch.lost, process_death=True)
         except Exception as err:  # keep its text, drop its frames (see AttemptFailed)
-            ranks.thread.join(timeout=2)  # a rank that failed to start: its own error, not the DAG's echo of it
-            err = ranks.error or err
+            err = ranks.failure(wait_s=2) or err  # a rank that failed to start: its own error, not the DAG's echo
             failure = AttemptFailed.from_exception(err)
             traceback.clear_frames(err.__traceback__)
     finally:
@@ -251,6 +250,11 @@ class RanksStarting:
         if self.error is not None:
             raise self.error
         return self.placement
+
+    def failure(self, wait_s: float) -> BaseException | None:
+        """The error of a rank that failed to start, waiting at most `wait_s` for the ranks to be decided."""
+        self.thread.join(timeout=wait_s)
+        return self.error
 
 
 def say_placement(placement: list[dict], tracker, echo) -> None:

@@ -13,7 +13,6 @@ its own section's world size, resources and placement, and publishes to its own 
 
 from __future__ import annotations
 
-
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
