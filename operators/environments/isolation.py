@@ -42,7 +42,8 @@ def code_binds() -> list[str]:
         cwd = os.getcwd()
     except OSError:  # removed under us: the child starts elsewhere
         cwd = ""
-    candidates = [sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.dirname(sys.executable), cwd, *sys.path]
+    candidates = [sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.dirname(sys.executable), cwd, *sys.path,
+                  *import_roots()]
     folders = set()
     for path in candidates:
         if not path:
@@ -54,6 +55,20 @@ def code_binds() -> list[str]:
     for folder in sorted(folders):  # a parent before its children
         binds += ["--ro-bind", folder, folder]
     return binds
+
+
+def import_roots() -> set[str]:
+    """The folders this process's top-level modules were imported from. An editable install (setuptools'
+    finder, as `pip install -e .` makes for streamrl) resolves its packages through an import hook, not a
+    sys.path entry: a checkout under /tmp is reached only through its modules' own files."""
+    roots = set()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if "." in name or not file:
+            continue
+        folder = os.path.dirname(os.path.abspath(file))
+        roots.add(os.path.dirname(folder) if os.path.basename(file) == "__init__.py" else folder)
+    return roots
 
 
 def child_prefix(prefix: tuple[str, ...]) -> list[str]:

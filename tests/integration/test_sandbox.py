@@ -10,6 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -205,6 +206,23 @@ def test_under_bubblewrap_the_child_writes_only_its_private_tmp(tmp_path):
         reward.close()
         shutil.rmtree(outside)
         private.unlink(missing_ok=True)
+
+
+def test_bwrap_binds_back_the_folders_of_modules_imported_without_a_sys_path_entry(tmp_path, monkeypatch):
+    """An editable install resolves its packages through an import hook: a checkout under /tmp has no sys.path
+    entry, and the child saw no `operators` there (ModuleNotFoundError in a fresh clone under /tmp)."""
+    import importlib.util
+
+    from operators.environments.isolation import code_binds, import_roots
+
+    package = tmp_path / "hooked" / "hooked_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("hooked_pkg", package / "__init__.py")
+    monkeypatch.setitem(sys.modules, "hooked_pkg", importlib.util.module_from_spec(spec))
+    assert str(package.parent) not in sys.path and str(package.parent) in import_roots()
+    binds = code_binds()
+    assert any(binds[i:i + 3] == ["--ro-bind", str(package.parent), str(package.parent)] for i in range(len(binds)))
 
 
 def test_under_bubblewrap_the_child_cannot_reach_the_loopback():
