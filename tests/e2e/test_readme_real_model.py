@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## A real model on a real task"
 RESULTS = ROOT / "benchmarks" / "results"
+# A line of vLLM's logging format, from any of its processes: "(EngineCore pid=123) WARNING 12-05 ..."
+VLLM_LINE = re.compile(r"\((EngineCore|VllmWorker|MainProcess|APIServer)[^)]* pid=\d+\) (DEBUG|INFO|WARNING|ERROR) ")
 # Shorter, same job: one step of 2 groups x 4 samples, 2 held-out prompts.
 SHORTER = ["train.steps=1", "train.groups_per_step=2", "rollout.n=4", "rollout.max_new_tokens=32",
            "eval.data.num_prompts=2", "eval.n=2", "eval.max_new_tokens=32"]
@@ -63,6 +65,11 @@ def test_the_job_commands_run_as_printed(tmp_path):
             assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
             # no traceback of the command's own (lines of Ray's actors come prefixed with the actor's name)
             assert not re.search(r"^Traceback", done.stderr, re.M), done.stderr[-3000:]
+            # quiet (#48): nothing from vLLM's processes reaches the terminal, the import-time Triton warning of
+            # the engine processes included (the CPU install removes the CUDA Triton it warns about)
+            vllm_lines = [line for line in (done.stdout + done.stderr).splitlines()
+                          if VLLM_LINE.search(line) or "Triton" in line]
+            assert vllm_lines == [], "\n".join(vllm_lines[:20])
             if name:
                 record = json.loads((RESULTS / f"{name}_learning.json").read_text())
                 assert record["steps"] == 1 and record["eval"], record
