@@ -15,7 +15,10 @@ version 0 (the model before training) is scored once per race.
 It writes benchmarks/results/<name>_race.json (every run's points, each mode's median curve with the seeds'
 spread, and the headline: the wall time to reach step 0 + 0.15 and to reach 0.85, per seed and the median;
 `None` = never reached) and benchmarks/results/<name>_race.png (accuracy against wall time and against steps,
-one curve a mode). Figures move with machine load: run nothing else beside it.
+one curve a mode). Figures move with machine load: run nothing else beside it. `--continue` adds the runs a
+record lacks (a third seed, or what a stopped race did not reach) and keeps the ones it has. A run's
+checkpoints are deleted once scored (`--keep-checkpoints` keeps them: 8.5 GB a run for 16 steps of the real
+model, checkpointed every 4 steps with their optimizer state).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -110,13 +114,18 @@ def evaluate(config: str, overrides: list[str], model_path: str, versions: list[
 
 
 def race(config: str, overrides: list[str], modes: list[str], seeds: int, every: int, name: str,
-         results: Path = RESULTS, scratch: Path = Path("runs/race"), echo=print) -> dict:
+         results: Path = RESULTS, scratch: Path = Path("runs/race"), echo=print, resume: bool = False,
+         keep_checkpoints: bool = False) -> dict:
     results.mkdir(parents=True, exist_ok=True)
     record = {"command": _command(config, overrides, modes, seeds, every, name), **machine(), "config": config,
               "modes": modes, "seeds": seeds, "every": every, "rise": RISE, "target": TARGET, "runs": []}
     out = results / f"{name}_race.json"
+    if resume and out.exists():
+        record = resumed(json.loads(out.read_text()), record, echo)
     for mode in modes:
         for seed in range(seeds):
+            if any(run["mode"] == mode and run["seed"] == seed for run in record["runs"]):
+                continue
             echo(f"race: mode {mode}, seed {seed}")
             run = run_once(config, overrides, mode, seed, every, scratch / f"{name}-{mode}-s{seed}", echo)
             if "step0" not in record:
@@ -127,6 +136,8 @@ def race(config: str, overrides: list[str], modes: list[str], seeds: int, every:
             run["points"] = [{"step": 0, "wall_s": 0.0, **record["step0"]}] + [
                 {"step": step, "wall_s": run["step_end_s"][str(step)], **scores[step]} for step, _ in saved]
             record["runs"].append(run)
+            if not keep_checkpoints:  # scored: a run's checkpoints (8.5 GB for 16 steps of the real model) go
+                shutil.rmtree(scratch / f"{name}-{mode}-s{seed}", ignore_errors=True)
             out.write_text(json.dumps(record, indent=1) + "\n")  # a partial record survives a stopped race
     summarize(record, results / f"{name}_race.png", title=f"{name}: {config}")
     out.write_text(json.dumps(record, indent=1) + "\n")
@@ -136,6 +147,26 @@ def race(config: str, overrides: list[str], modes: list[str], seeds: int, every:
              f"{race_curves.say(figures['median_wall_s_to_target'])} (median of {seeds})")
     echo(f"race: {out}, {results / f'{name}_race.png'}")
     return record
+
+
+def resumed(earlier: dict, record: dict, echo=print) -> dict:
+    """An earlier record of the same race, to be continued: its runs (and step-0 score) are kept and the
+    missing (mode, seed) runs added. Refused when it raced another config, other --set or another --every."""
+    for key in ("config", "every"):
+        if earlier.get(key) != record[key]:
+            raise SystemExit(f"race --continue: the record has {key} {earlier.get(key)!r}, this race "
+                             f"{record[key]!r}: give another --name, or the same arguments")
+    if _overrides(earlier["command"]) != _overrides(record["command"]):
+        raise SystemExit(f"race --continue: the record was measured with --set {_overrides(earlier['command'])}, "
+                         f"this race with {_overrides(record['command'])}: give another --name")
+    kept = {key: earlier[key] for key in ("runs", "step0", "step0_accuracy") if key in earlier}
+    dates = sorted({earlier["date"], *earlier.get("continued", [])})
+    echo(f"race: continuing {len(kept['runs'])} run(s) of {earlier['date']}")
+    return {**record, **kept, "date": dates[0], "continued": [*dates[1:], record["date"]]}
+
+
+def _overrides(command: str) -> list[str]:
+    return sorted(part for part in command.split(" --set ")[1:])
 
 
 def summarize(record: dict, picture: Path, title: str) -> None:
@@ -170,11 +201,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated max_staleness values; 'default' is the config's (default: 0,default,2)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode (train.seed 0, 1, ...; default 3)")
     parser.add_argument("--every", type=int, default=4, help="checkpoint (and score) every this many steps (default 4)")
+    parser.add_argument("--continue", dest="resume", action="store_true",
+                        help="keep the runs of the record already written under --name (same config, --set and "
+                             "--every) and run only the (mode, seed) pairs it lacks: more seeds, or a stopped race")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each run's checkpoints under runs/race/ after scoring them (default: deleted; "
+                             "16 steps of the real model every 4 steps are 8.5 GB a run)")
 
 
 def from_arguments(args: argparse.Namespace) -> dict:
     return race(args.config, args.overrides, args.modes.split(","), args.seeds, args.every,
-                args.name or Path(args.config).stem)
+                args.name or Path(args.config).stem, resume=args.resume, keep_checkpoints=args.keep_checkpoints)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,3 +32,19 @@ def test_race_records_every_run_and_draws_the_modes(tmp_path):
     picture = tmp_path / "tiny_race.png"
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
     assert any(line.startswith("race: max_staleness 0: to ") for line in lines)
+    # scored runs' checkpoints are deleted (8.5 GB a run on the real model) unless kept
+    assert not (tmp_path / "runs" / "tiny-0-s0").exists() and not (tmp_path / "runs" / "tiny-default-s0").exists()
+
+    # --continue: the record's runs are kept, only the missing (mode, seed) pair runs; other --set is refused
+    with pytest.raises(SystemExit, match="--set"):
+        race("configs/tiny_grpo.yaml", ["train.steps=3"], ["0"], seeds=1, every=1, name="tiny", results=tmp_path,
+             scratch=tmp_path / "runs", echo=lines.append, resume=True)
+    more = race("configs/tiny_grpo.yaml", ["train.steps=2", "rollout.max_new_tokens=4", "eval.max_prompts=8"],
+                ["0", "default", "2"], seeds=1, every=1, name="tiny", results=tmp_path, scratch=tmp_path / "runs",
+                echo=lines.append, resume=True, keep_checkpoints=True)
+    assert more["runs"][:2] == record["runs"] and [run["mode"] for run in more["runs"]] == ["0", "default", "2"]
+    assert more["step0"] == record["step0"] and len(more["continued"]) == 1
+    assert set(more["headline"]) == {"0", "default (1)", "2"}
+    assert sum(line == "race: mode 2, seed 0" for line in lines) == 1 and "race: mode 0, seed 0" in lines
+    assert sum(line.startswith("race: mode ") for line in lines) == 3
+    assert list((tmp_path / "runs" / "tiny-2-s0").rglob("model.safetensors"))
