@@ -205,13 +205,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the runs of the record already written under --name (same config, --set and "
                              "--every) and run only the (mode, seed) pairs it lacks: more seeds, or a stopped race")
     parser.add_argument("--keep-checkpoints", action="store_true",
-                        help="keep each run's checkpoints under runs/race/ after scoring them (default: deleted; "
+                        help="keep each run's checkpoints under --scratch after scoring them (default: deleted; "
                              "16 steps of the real model every 4 steps are 8.5 GB a run)")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where the record and the picture go (default: benchmarks/results)")
+    parser.add_argument("--scratch", type=Path, default=Path("runs/race"),
+                        help="where the runs write their checkpoints (default: runs/race)")
 
 
 def from_arguments(args: argparse.Namespace) -> dict:
     return race(args.config, args.overrides, args.modes.split(","), args.seeds, args.every,
-                args.name or Path(args.config).stem, resume=args.resume, keep_checkpoints=args.keep_checkpoints)
+                args.name or Path(args.config).stem, results=args.results, scratch=args.scratch, resume=args.resume,
+                keep_checkpoints=args.keep_checkpoints)
 
 
 def main(argv: list[str] | None = None) -> None:
