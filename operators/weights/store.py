@@ -151,8 +151,8 @@ class PolicyStoreClient:
         manifest or None (the gloo plane carries the weights)."""
         ray.get(self.handle.publish.remote(version, [weights_ref]))
 
-    def version(self) -> int:
-        return ray.get(self.handle.get_version.remote())
+    def version(self, timeout_s: float | None = None) -> int:
+        return ray.get(self.handle.get_version.remote(), timeout=timeout_s)
 
     def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int:
         """Block until a version >= min_version is published; the latest. Raises TimeoutError after

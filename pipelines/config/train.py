@@ -153,6 +153,12 @@ class TrainConfig(Section):
     max_nan_skips: int = Field(
         10, ge=0, description="With nan_policy: skip, fail the job after this many skipped steps in a run."
     )
+    stall_report_s: float = Field(
+        300.0, ge=0, description="When no step has ended for this many seconds, print what the job is waiting "
+        "on (free resources, actors and their states, the policy version, thread stacks; "
+        "pipelines/runtime/stall.py), again after twice as long, and so on. It only reports; 0 turns it off. "
+        "Raise it for models whose steps take longer."
+    )
 
     @model_validator(mode="after")
     def _shared_prompts_need_packing(self) -> "TrainConfig":

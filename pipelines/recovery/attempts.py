@@ -34,6 +34,7 @@ from pipelines.recovery.step_log import StepLog, write_dropped
 from pipelines.runtime.nodes import NodeWatch, alive_node_ids, confirm_lost_nodes, placement_line, replan
 from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.resources import stage_options
+from pipelines.runtime.stall import StallReport
 from pipelines.runtime.trainer_group import launch_trainer_group, start_critic_group, stop_trainer_group
 from pipelines.runtime.trainer_settings import critic_model_path
 from pipelines.stages import replica_placement, stages
@@ -126,6 +127,7 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
     workers = launch_trainer_group(cfg, run.model_path, store)
     ranks = RanksStarting(workers, phases)  # they initialise beside the engines; waited for at step 1
     critics, value_store, watch, placement = None, None, None, []
+    stall = StallReport(cfg.train.stall_report_s, progress.echo, store)
     replicas = replica_placement(cfg)  # the generate actors' placement groups, released below
     try:
         if cfg.critic is not None:  # its own store; version -1 until rank 0 publishes the initialised critic
@@ -157,8 +159,10 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
             ds = build_dag(frames, stages(cfg, run.model_path, store, workers, stage_options(cfg), first_step=first,
                                           checkpoint_options=options, critics=critics, replicas=replicas))
         failure = None
+        stall.start()  # from here on, a long wait for the next step says what it is waiting on
         try:
             for row in iter_steps(ds):
+                stall.beat(int(row["step"]))
                 if watch is None:  # the first step needed every rank: they are up
                     placement = ranks.result()
                     phases.from_first_step(row["timeline"])
@@ -201,6 +205,7 @@ def run_attempt(run: Run, cfg: JobConfig, progress: Progress, stop=None) -> list
             failure = AttemptFailed.from_exception(err)
             traceback.clear_frames(err.__traceback__)
     finally:
+        stall.stop()
         if watch is not None:
             watch.stop()
         if evaluator is not None:

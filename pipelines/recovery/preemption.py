@@ -176,6 +176,12 @@ class Preemption:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._flag is not None:  # the flag actor lives as long as the Ray session otherwise (a shared cluster)
+            try:
+                ray.kill(self._flag)
+            except Exception:  # noqa: BLE001 - Ray already shut down: the actor went with it
+                pass
+            self._flag = None
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
             self._interruptible.__exit__(None, None, None)
