@@ -139,9 +139,12 @@ def driver_stacks() -> list[str]:
 
 def actor_stacks(actors: list[dict]) -> list[str]:
     """py-spy dumps of the live actor processes on this machine (none without py-spy, or across nodes)."""
+    import ray
+
     spy = shutil.which("py-spy") or _beside_python("py-spy")
+    here = ray.get_runtime_context().get_node_id()  # a pid of another node means nothing here
     pids = sorted({(info["ActorClassName"], int(info["Pid"])) for info in actors
-                   if info["State"] == "ALIVE" and info.get("Pid") and os.path.exists(f"/proc/{info['Pid']}")})
+                   if info["State"] == "ALIVE" and info.get("Pid") and info["Address"]["NodeID"] == here})
     if spy is None:
         return ["  actor stacks: py-spy is not installed (pip install py-spy) "] if pids else []
     lines = []
