@@ -146,7 +146,7 @@ def actor_stacks(actors: list[dict]) -> list[str]:
     pids = sorted({(info["ActorClassName"], int(info["Pid"])) for info in actors
                    if info["State"] == "ALIVE" and info.get("Pid") and info["Address"]["NodeID"] == here})
     if spy is None:
-        return ["  actor stacks: py-spy is not installed (pip install py-spy) "] if pids else []
+        return ["  actor stacks: py-spy is not installed (pip install py-spy)"] if pids else []
     lines = []
     for name, pid in pids:
         try:
