@@ -190,9 +190,12 @@ class PolicyStoreClient:
         """Whether `version` must also be put in the object store: an evaluator will read it."""
         return ray.get(self.handle.wants_weights.remote(version))
 
-    def release(self, version: int) -> None:
-        """Drop a retained version (its reader has it); no reply awaited."""
-        self.handle.release.remote(version)
+    def release(self, version: int, wait: bool = False) -> None:
+        """Drop a retained version (its reader has it). No reply awaited unless `wait`: calls to an async
+        actor may run out of order, so a caller that reads the store next and must see the release waits."""
+        ref = self.handle.release.remote(version)
+        if wait:
+            ray.get(ref)
 
     # --- the gloo plane's registry -------------------------------------------------------------------
 

@@ -151,7 +151,7 @@ def test_policy_store_keeps_retained_versions_until_released(ray_cluster):
         assert ray_cluster.get(four)["w"][0] == 4.0  # the latest needs no retaining
         with pytest.raises(Exception, match="not retained"):
             store.weights_of(2)
-        store.release(1)
+        store.release(1, wait=True)
         with pytest.raises(Exception, match="not retained"):
             store.weights_of(1)
         with pytest.raises(Exception):  # a version not published yet is waited for (here: past the timeout)
