@@ -33,7 +33,7 @@ def run_plain(cfg, model_path: str) -> list[dict]:
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.train.seed,
         engine_options=engine_options(cfg),
     )
-    reward = Reward([(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error)
+    reward = Reward(cfg.reward.function_specs(), on_error=cfg.reward.on_error)
     advantage = Advantage(cfg.algorithm.advantage)
     worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, model_path), None)
     timelines = []

@@ -63,7 +63,7 @@ def run(cfg: JobConfig, model_path: str, watch: Callable | None = None, echo: Ca
     generate = Generate(model_path, engine="hf", n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.train.seed,
                         **cfg.prompt_options())  # no policy store: it samples from the weights loaded now
-    reward = Reward([(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error)
+    reward = Reward(cfg.reward.function_specs(), on_error=cfg.reward.on_error)
     estimator = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage)  # grpo: (r - group mean) / (group std + eps)
     worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, model_path), None)  # no store: publishes nowhere
     records = []

@@ -158,7 +158,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
         generate.update(environment=env.name, environment_options=environment_options(cfg), max_turns=env.max_turns,
                         max_episode_tokens=env.max_episode_tokens)
     reward = dict(
-        functions=[(f.name, f.weight) for f in cfg.reward.functions], on_error=cfg.reward.on_error,
+        functions=cfg.reward.function_specs(), on_error=cfg.reward.on_error,
         timeout_s=cfg.reward.timeout_s, timestamps=True, limits=sandbox_limits(cfg.sandbox),
     )
     # reward.placement "generate": each group is scored in the generate actor that sampled it (one stage,

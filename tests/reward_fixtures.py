@@ -266,9 +266,10 @@ def unpickle_trap_tool(arguments):
     return _StrThatRunsOnUnpickle(arguments)
 
 
-def trl_style(completions, prompts, completion_ids, **kwargs):
-    """A reward written for another trainer's call: it takes arguments streamrl does not pass."""
-    return [1.0] * len(completions)
+def needs_trainer_state(prompts, completions, trainer_state, **kwargs):
+    """A TRL-style reward that requires TRL's `trainer_state`, which streamrl does not pass: it fits neither
+    style."""
+    return [float(trainer_state.global_step > 0)] * len(completions)
 
 
 def always_raises(completions, **kwargs):

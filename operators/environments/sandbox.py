@@ -44,7 +44,7 @@ ENV_SET = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS
 # kind -> (resolve 'module:function' of a name, run 'module:function' (fn, first, kwargs) -> JSON value).
 # Strings, so this module imports neither operators.stages.reward nor operators.environments.environment.
 KINDS = {
-    "reward": ("operators.stages.reward:resolve_reward_function", "operators.stages.reward:sandbox_scores"),
+    "reward": ("operators.stages.reward:resolve_reward_function", "operators.stages.reward_calls:sandbox_scores"),
     "tool": ("operators.environments.environment:resolve_tool", "operators.environments.environment:sandbox_tool_result"),
 }
 

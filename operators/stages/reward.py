@@ -1,15 +1,19 @@
 """Reward operator: scores every response of a prompt group with weighted reward functions.
 
 A reward function takes the completions and the dataset's columns as keyword lists aligned
-with them (TRL's convention) and returns one float (or None) per completion:
+with them and returns one float (or None) per completion:
 
     def my_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]: ...
+
+Functions written for TRL's GRPOTrainer (`prompts`, `completions`, `completion_ids` and the columns as
+keyword arguments; completions as messages for conversational prompts; None for "not applicable") work
+unchanged; `async def` works in both styles. How each style is called is operators/stages/reward_calls.py.
 
 Builtins are registered by name; anything else is named 'package.module:function'. Which
 dataset columns a function takes is read from its signature (`call_problem`): the check of a
 job's inputs refuses one that takes a column the dataset lacks before anything starts.
-A function that raises, or returns None for a sample, does not kill the batch: the affected
-samples get `on_error` and are counted in the `reward_errors` column. A function that raises
+A function that raises, or (streamrl style) returns None for a sample, does not kill the batch: the
+affected samples get `on_error` and are counted in the `reward_errors` column. A function that raises
 on every sample is named in `reward_raised` with its exception, and the Train stage stops the
 job when one does so for `reward.stop_after_failed_steps` steps in a row (`FailedRewardSteps`):
 a job must not train on `on_error` alone. With a timeout the functions run in a sandbox child
@@ -23,22 +27,23 @@ episode: they are added to the functions' sum.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from operators.algorithms.registry import Registry
 from operators.environments.sandbox import Sandbox, SandboxLimits
+from operators.stages.reward_calls import (
+    RewardFn, call_kwargs, reward_style, score_values, scores_from_reply, style_columns, trl_arguments,
+)
 
 if TYPE_CHECKING:
     import pandas as pd  # not imported at run time: the sandbox child starts faster without it
 
-RewardFn = Callable[..., Sequence[float | None]]
 REWARD_FUNCTIONS = Registry("reward function")
 
 # Columns the pipeline adds; everything else in a row is a dataset column passed to rewards.
@@ -124,93 +129,11 @@ def resolve_reward_function(name: str) -> RewardFn:
     return fn
 
 
-def _as_score(value) -> float:
-    """A finite float, or NaN for None, non-numbers and infinities."""
-    try:
-        return float(value) if value is not None else float("nan")
-    except (TypeError, ValueError):
-        return float("nan")
-
-
 def reward_columns(columns: Collection[str]) -> set[str]:
     """The columns of a row a reward function may take: every column but the pipeline's and the stages'
     timings and rewards."""
     return {column for column in columns
             if column not in PIPELINE_COLUMNS and not column.startswith(("time_", "reward_"))}
-
-
-def _call_kwargs(fn: RewardFn, columns: dict[str, list]) -> dict[str, list]:
-    """Pass all dataset columns to a **kwargs function, else only the ones it names."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return columns
-    names = {p.name for p in params}
-    return {key: value for key, value in columns.items() if key in names}
-
-
-def call_problem(fn: RewardFn, columns: Collection[str], rows: str = "the rows") -> str | None:
-    """Why `fn` cannot be called as Reward calls it, fn(completions, **the columns it names), on `rows` with
-    these `columns` (reward_columns of them): read from its signature. None when it can be, or when Python
-    cannot read its signature."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    kinds = inspect.Parameter
-    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
-    if not positional and not any(p.kind is kinds.VAR_POSITIONAL for p in params):
-        return ("takes no argument for the completions; a reward function is fn(completions, **dataset_columns) "
-                "-> list[float], e.g. def score(completions, answer, **kwargs)")
-    rest = [p for p in params if p is not (positional[0] if positional else None) and p.default is p.empty]
-    unreachable = [p.name for p in rest if p.kind is kinds.POSITIONAL_ONLY]
-    missing = [p.name for p in rest if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
-               and p.name not in columns]
-    if not (unreachable or missing):
-        return None
-    named = unreachable + missing
-    return (f"takes {named}, which no column of {rows} gives (it is called as fn(completions, **columns); the "
-            f"columns are {sorted(columns)}); rename the argument(s) after columns, give them defaults, or add the "
-            "column(s) to the dataset")
-
-
-def score_values(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> tuple[np.ndarray, str | None]:
-    """One score per completion, NaN where the function failed; a failing batch call is retried sample by
-    sample, so one bad sample does not cost the others their scores. Also the exception ('Type: message')
-    when it raised on every sample, else None."""
-    raised = None
-    try:
-        values = list(fn(completions, **kwargs))
-        if len(values) != len(completions):
-            raise ValueError(f"returned {len(values)} scores for {len(completions)} completions")
-    except Exception:  # noqa: BLE001 - any failure of user code is contained
-        values, failures = [], 0
-        for index, completion in enumerate(completions):
-            try:
-                values.append(fn([completion], **{k: [v[index]] for k, v in kwargs.items()})[0])
-            except Exception as err:  # noqa: BLE001
-                values.append(None)
-                failures += 1
-                raised = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
-        raised = raised if completions and failures == len(completions) else None
-    return np.array([_as_score(value) for value in values], dtype=float), raised
-
-
-def sandbox_scores(fn: RewardFn, completions: list[str], kwargs: dict[str, list]) -> dict:
-    """`score_values` as the sandbox child replies it (operators/environments/sandbox.py): JSON numbers, None for the
-    samples that failed (NaN and infinities are not JSON), and the exception when it raised on every sample."""
-    scores, raised = score_values(fn, completions, kwargs)
-    return {"scores": [float(value) if np.isfinite(value) else None for value in scores], "raised": raised}
-
-
-def _scores_from_reply(value, size: int) -> tuple[np.ndarray, str | None]:
-    """The scores in a sandbox reply, NaN for None, and the exception it names; raises ValueError for anything
-    else."""
-    scores = value.get("scores") if isinstance(value, dict) else None
-    raised = value.get("raised") if isinstance(value, dict) else None
-    if not isinstance(scores, list) or len(scores) != size or not isinstance(raised, (str, type(None))) or \
-            not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores):
-        raise ValueError(f"the sandbox's reply is not {size} scores")
-    return np.array([np.nan if v is None else v for v in scores], dtype=float), raised
 
 
 class RewardFunctionError(RuntimeError):
@@ -277,34 +200,41 @@ class Reward:
     """
 
     def __init__(
-        self, functions: Sequence[tuple[str, float]] = (("arithmetic_exact", 1.0),), on_error: float = 0.0,
+        self, functions: Sequence[tuple] = (("arithmetic_exact", 1.0),), on_error: float = 0.0,
         timeout_s: float = 0.0, timestamps: bool = False, limits: SandboxLimits = SandboxLimits(),
     ):
+        """`functions`: (name, weight) or (name, weight, style), style 'auto', 'streamrl' or 'trl'
+        (operators/stages/reward_calls.py)."""
         self.timestamps = timestamps
-        self.functions = [(name, float(weight), resolve_reward_function(name)) for name, weight in functions]
+        self.functions = []
+        for name, weight, *style in functions:
+            fn = resolve_reward_function(name)
+            self.functions.append((name, float(weight), fn, reward_style(fn, *style)))
         self.on_error = float(on_error)
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (0: no limit), got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        self.sandbox = Sandbox([name for name, _, _ in self.functions], "reward", limits) if self.timeout_s > 0 else None
+        self.sandbox = Sandbox([name for name, *_ in self.functions], "reward", limits) if self.timeout_s > 0 else None
 
     def close(self) -> None:
         """Stop the sandbox process now (it is also stopped when this object is collected)."""
         if self.sandbox is not None:
             self.sandbox.close()
 
-    def _score(self, name: str, fn: RewardFn, completions: list[str], columns: dict[str, list]):
-        """Scores, a failure mask, whether the call timed out, and the exception when it raised on every sample."""
-        kwargs = _call_kwargs(fn, columns)
+    def _score(self, name: str, fn: RewardFn, style: str, completions: list, columns: dict[str, list]):
+        """Scores, a failure mask, whether the call timed out, and the exception when it raised on every sample.
+        A trl-style None ("does not apply") scores 0 and is no failure."""
+        kwargs = call_kwargs(fn, columns)
         timed_out = False
+        returned_none = np.zeros(len(completions), dtype=bool)
         if self.sandbox is None:
-            scores, raised = score_values(fn, completions, kwargs)
+            scores, returned_none, raised = score_values(fn, completions, kwargs)
         else:
             reply, problem = self.sandbox.call(name, completions, kwargs, self.timeout_s)
             scores, raised = None, None
             if problem is None:
                 try:
-                    scores, raised = _scores_from_reply(reply, len(completions))
+                    scores, returned_none, raised = scores_from_reply(reply, len(completions))
                 except ValueError as err:
                     problem = str(err)
             if scores is None:
@@ -317,9 +247,24 @@ class Reward:
                     file=sys.stderr, flush=True,
                 )
                 scores = np.full(len(completions), np.nan)
-        failed = ~np.isfinite(scores)
-        scores = np.where(failed, self.on_error, scores)
+        missing = ~np.isfinite(scores)
+        failed = missing & ~returned_none if style == "trl" else missing
+        scores = np.where(failed, self.on_error, np.where(missing, 0.0, scores))
         return scores, failed, timed_out, raised
+
+    def _arguments(self, batch: pd.DataFrame, style: str, sizes: list[int]) -> tuple[list, dict[str, list]]:
+        """The completions and the keyword lists a function of `style` is offered, one entry per completion."""
+        completions = [str(text) for responses in batch["responses"] for text in responses]
+        columns = {column: [value for value, size in zip(batch[column], sizes) for _ in range(size)]
+                   for column in style_columns(reward_columns(batch.columns), style) if column in batch.columns}
+        if style == "trl":
+            prompts = [value for value, size in zip(batch["prompt"], sizes) for _ in range(size)] \
+                if "prompt" in batch.columns else [None] * len(completions)
+            ids = [each for row in batch["response_token_ids"] for each in row] \
+                if "response_token_ids" in batch.columns else [[] for _ in completions]
+            completions, extra = trl_arguments(prompts, completions, ids)
+            columns.update(extra)
+        return completions, columns
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         wall_start = time.time()
@@ -330,16 +275,15 @@ class Reward:
                 batch[column] = []
             return batch
         sizes = [len(responses) for responses in batch["responses"]]
-        completions = [str(text) for responses in batch["responses"] for text in responses]
-        columns = {column: [value for value, size in zip(batch[column], sizes) for _ in range(size)]
-                   for column in reward_columns(batch.columns)}
-        total = np.zeros(len(completions))
-        errors = np.zeros(len(completions), dtype=bool)
-        timeouts = np.zeros(len(completions), dtype=bool)
+        arguments = {style: self._arguments(batch, style, sizes) for style in {s for *_, s in self.functions}}
+        size = sum(sizes)
+        total = np.zeros(size)
+        errors = np.zeros(size, dtype=bool)
+        timeouts = np.zeros(size, dtype=bool)
         splits = np.cumsum(sizes)[:-1]
         raised_by: dict[str, str] = {}  # the functions that raised on every sample of the batch
-        for name, weight, fn in self.functions:
-            scores, failed, timed_out, raised = self._score(name, fn, completions, columns)
+        for name, weight, fn, style in self.functions:
+            scores, failed, timed_out, raised = self._score(name, fn, style, *arguments[style])
             if raised is not None:
                 raised_by[name] = raised
             total += weight * scores

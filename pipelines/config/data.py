@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipelines.config.base import Section
 
@@ -21,8 +21,10 @@ DATASET_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 class DataConfig(Section):
     path: str = Field(
         "builtin:arithmetic",
-        description="Prompt dataset: a .parquet, .jsonl/.json or .csv file, or 'builtin:arithmetic' "
-        "(single-digit addition made by streamrl).",
+        description="Prompt dataset: a .parquet, .jsonl/.json or .csv file, a folder written by `datasets`' "
+        "save_to_disk, 'hf:NAME' (a `datasets` dataset by name, from the Hugging Face cache with "
+        "HF_HUB_OFFLINE=1), 'reasoning_gym:<task>', or 'builtin:arithmetic' (single-digit addition made by "
+        "streamrl).",
     )
     prompt_column: str = Field(
         "prompt", description="Column holding the prompts: plain text, or chat messages (a list of "
@@ -46,10 +48,32 @@ class DataConfig(Section):
         default_factory=dict, description="reasoning_gym:<task> datasets: the task's own options "
         "(keyword arguments of its config, e.g. {min_animals: 1, max_animals: 3} for leg_counting)."
     )
+    hf_config: Optional[str] = Field(
+        None, description="'hf:NAME' datasets: the configuration (subset) name, as load_dataset's second argument."
+    )
+    hf_split: str = Field(
+        "train", description="'hf:NAME' datasets and save_to_disk folders of several splits: the split, as "
+        "load_dataset's split= (slices like 'train[:1000]' work for hf:NAME)."
+    )
     id_column: Optional[str] = Field(
         None, description="Column with a stable prompt id; if unset, ids are made from the row index."
     )
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Columns made from others as the file is read, {new: source}: the "
+        "source a column or a dotted path into a column of records, e.g. {ground_truth: "
+        "reward_model.ground_truth, index: extra_info.index} for verl's parquet layout. The new names can be "
+        "prompt_column or id_column and reach the reward functions like any column."
+    )
     num_prompts: int = Field(256, gt=0, description="Number of prompts the builtin dataset makes.")
+
+    @field_validator("columns")
+    @classmethod
+    def _column_sources(cls, columns: dict[str, str]) -> dict[str, str]:
+        for new, source in columns.items():
+            if not new.strip() or not source.strip() or any(not part.strip() for part in source.split(".")):
+                raise ValueError(f"{new!r}: {source!r} is not a column or a dotted path like reward_model.ground_truth "
+                                 "(no empty names); fix the entry")
+        return columns
     seed: int = Field(0, description="Seed of the builtin dataset and of shuffling.")
     shuffle: bool = Field(True, description="Shuffle the prompt order (with `seed`) before each epoch.")
     invalid_prompts: Literal["error", "drop"] = Field(
@@ -77,5 +101,7 @@ class EvalDataConfig(DataConfig):
         "policy is evaluated as it is trained)."
     )
     chat_template: Optional[str] = Field(None, description="As data.chat_template; default data.chat_template.")
+    hf_split: str = Field("test", description="As data.hf_split; default the held-out split most datasets name "
+                          "'test'.")
     shuffle: bool = Field(False, description="Shuffle the prompts (with `seed`) before eval.max_prompts "
                           "takes the first ones.")

@@ -15,9 +15,17 @@ from pipelines.config.base import Section, world_checks
 class RewardFunctionConfig(Section):
     name: str = Field(
         description="A builtin reward name (see operators.stages.reward.REWARD_FUNCTIONS) or 'module:function' "
-        "with signature (completions, **dataset_columns) -> list[float]."
+        "with signature (completions, **dataset_columns) -> list[float], or one written for TRL's GRPOTrainer "
+        "(prompts, completions, completion_ids, **dataset_columns); `async def` works too."
     )
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+    style: Literal["auto", "streamrl", "trl"] = Field(
+        "auto", description="How the function is called (operators/stages/reward_calls.py). streamrl: "
+        "completions as text, None = could not score (on_error). trl: TRL's convention: prompts as the dataset "
+        "holds them, completions as messages when the prompt is a list of messages, completion_ids, every "
+        "column but the prompt; None = does not apply (adds nothing, no error). auto: trl when the function "
+        "takes `prompts` or `completion_ids`, else streamrl."
+    )
 
     @field_validator("name")
     @classmethod
@@ -32,7 +40,8 @@ class RewardConfig(Section):
         description="Reward functions, summed with their weights.",
     )
     on_error: float = Field(
-        0.0, description="Reward given to a sample whose reward function raised or returned None."
+        0.0, description="Reward given to a sample whose reward function raised or returned None (a trl-style "
+        "function's None means 'does not apply' instead)."
     )
     stop_after_failed_steps: int = Field(
         1, ge=1, description="Stop the job when a reward function raises on every sample of this many train steps "
@@ -55,6 +64,10 @@ class RewardConfig(Section):
         "in a child process of the reward actor, killed and replaced when a call runs over; that batch's samples "
         "get on_error and count in reward_timeouts. 0: no limit, functions run in the actor itself."
     )
+
+    def function_specs(self) -> list[tuple[str, float, str]]:
+        """(name, weight, style) per function: what operators.stages.reward.Reward takes."""
+        return [(f.name, f.weight, f.style) for f in self.functions]
 
 
 class SandboxConfig(Section):

@@ -185,10 +185,16 @@ def dataset_problems(
         return [f"{field}: {message}" for field, message in task_problems(path, options, where)], path
     if data is not None:  # split and task_options set for another kind of dataset (a saved run's config, which
         # lists every field with its default, is not refused for the default split)
+        from pipelines.data.hf_datasets import is_hf_source
+
+        defaults = type(data).model_fields
         misplaced = [f"{where}.{name}: applies only to reasoning_gym:<task> datasets, not to {path!r}; remove it"
-                     for name, given in (("split", data.split != type(data).model_fields["split"].default),
+                     for name, given in (("split", data.split != defaults["split"].default),
                                          ("task_options", data.task_options))
                      if given]
+        misplaced += [f"{where}.{name}: applies only to hf:NAME datasets and save_to_disk folders, not to {path!r}; "
+                      "remove it" for name in ("hf_config", "hf_split")
+                      if getattr(data, name) != defaults[name].default and not is_hf_source(path)]
         if misplaced:
             problems, resolved = dataset_problems(path, prompt_column, id_column, where)
             return misplaced + problems, resolved
@@ -197,22 +203,32 @@ def dataset_problems(
         if name not in BUILTIN_DATASETS:
             return [f"{where}.path: unknown builtin dataset {name!r}; use one of {list(BUILTIN_DATASETS)}"], path
         return [], path
-    file = Path(path).expanduser()
-    if file.suffix not in DATASET_SUFFIXES:
-        return [f"{where}.path: {path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}"], path
-    if not file.is_file():
-        return [f"{where}.path: dataset file {path!r} does not exist; give an existing file"], path
-    from pipelines.data.datasets import DatasetError, read_columns
+    from pipelines.data.datasets import DatasetError, read_columns, read_source_columns
+    from pipelines.data.hf_datasets import is_hf_source
 
+    file = Path(path).expanduser()
+    hf = is_hf_source(path)
+    if not hf and file.suffix not in DATASET_SUFFIXES:
+        return [f"{where}.path: {path!r} has an unsupported suffix; use one of {list(DATASET_SUFFIXES)}, a "
+                "save_to_disk folder or hf:NAME"], path
+    if not hf and not file.is_file():
+        return [f"{where}.path: dataset file {path!r} does not exist; give an existing file"], path
     try:
-        columns = read_columns(file)
+        columns = read_source_columns(path, data, where) if hf else read_columns(file)
     except DatasetError as err:  # names the file, what is wrong and the fix
         return [f"{where}.path: {err}"], path
     except Exception as err:  # a corrupt file must be named, not crash later in an actor
         return [f"{where}.path: cannot read {path!r} ({type(err).__name__}: {err}); check the file"], path
     if not columns:  # an empty .jsonl / .json: no rows, so no columns either
         return [f"{where}.path: {path!r} holds no prompts (no rows); give a dataset with at least one row"], path
-    problems = [
+    from pipelines.data.datasets import column_mapping
+
+    mapping = column_mapping(columns, data.columns if data is not None else {})
+    problems = [f"{where}.columns.{new}: {path!r} has no column {source.split('.')[0]!r} for {new!r} ({source!r}); "
+                f"its columns are {columns}; fix the source"
+                for new, source in mapping.items() if source.split(".")[0] not in columns]
+    columns = [*columns, *(new for new in mapping if new not in columns)]
+    problems += [
         f"{where}.{field_name}: column {column!r} is not in {path!r}; its columns are {columns}"
         for field_name, column in (("prompt_column", prompt_column), ("id_column", id_column))
         if column is not None and column not in columns
@@ -221,6 +237,6 @@ def dataset_problems(
 
     problems += [f"{field}: {message}" for field, message in column_problems(columns, prompt_column, id_column, path,
                                                                              where)]
-    return problems, str(file.resolve())
+    return problems, (path if path.startswith("hf:") else str(file.resolve()))
 
 

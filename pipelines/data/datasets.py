@@ -41,6 +41,90 @@ def read_columns(file: Path) -> list[str]:
     return list(_read_frame(file, nrows=5).columns)
 
 
+class MappingError(DatasetError):
+    """A column of data.columns cannot be made: `column` names which."""
+
+    def __init__(self, column: str, message: str):
+        super().__init__(message)
+        self.column = column
+
+
+# verl's parquet layout keeps the answer in a record column; a file in that layout gets `ground_truth` unasked.
+VERL_MAPPING = {"ground_truth": "reward_model.ground_truth"}
+
+
+def column_mapping(columns: list[str], mapping: dict[str, str]) -> dict[str, str]:
+    """data.columns, plus `ground_truth` from `reward_model.ground_truth` for a file in verl's layout (it has a
+    `reward_model` column and no `ground_truth` one, and data.columns does not say otherwise)."""
+    if "reward_model" in columns and not ({"ground_truth"} & set(columns) | set(mapping)):
+        return {**VERL_MAPPING, **mapping}
+    return mapping
+
+
+def with_mapped_columns(frame: pd.DataFrame, mapping: dict[str, str], path: str, first_row: int = 0) -> pd.DataFrame:
+    """`frame` with the columns of data.columns added (and verl's, `column_mapping`), {new: source}: a column, or a
+    dotted path into a column of records (a parquet struct, a JSON object). Raises MappingError naming the column,
+    the row and the fix."""
+    mapping = column_mapping(list(frame.columns), mapping)
+    if not mapping:
+        return frame
+    frame = frame.copy()
+    for new, source in mapping.items():
+        root, *fields = source.split(".")
+        if root not in frame.columns:
+            raise MappingError(new, f"{path!r} has no column {root!r} for {new!r} ({source!r}); its columns are "
+                               f"{list(frame.columns)}; fix the source")
+        values = frame[root].tolist()
+        for depth, name in enumerate(fields):
+            inner = ".".join([root, *fields[:depth]])
+            for row, value in enumerate(values):
+                if value is not None and not (isinstance(value, dict) and name in value):
+                    what = (f"a record without {name!r} (it has {sorted(value)})" if isinstance(value, dict)
+                            else f"{type(value).__name__}, not a record")
+                    raise MappingError(new, f"{path!r} row {first_row + row}: {inner!r} is {what}, so {source!r} "
+                                       f"cannot make column {new!r}; fix the source")
+            values = [None if value is None else value[name] for value in values]
+        frame[new] = values
+    return frame
+
+
+def read_source_columns(path: str, data: DataConfig | None, where: str = "data") -> list[str]:
+    """Column names of an hf:NAME dataset or a save_to_disk folder (pipelines/data/hf_datasets.py)."""
+    from pipelines.data import hf_datasets
+
+    config, split = (data.hf_config, data.hf_split) if data is not None else (None, "train")
+    try:
+        return hf_datasets.read_columns(path, config, split, where)
+    except hf_datasets.HfDatasetError as err:
+        raise DatasetError(str(err)) from None
+
+
+def data_chunks(data: DataConfig, where: str = "data", chunk_rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
+    """The rows of the dataset a section names, in order, a chunk at a time: `iter_chunks` of its file, or of its
+    hf:NAME dataset or save_to_disk folder. Raises DatasetError."""
+    from pipelines.data import hf_datasets
+
+    if not hf_datasets.is_hf_source(data.path):
+        yield from iter_chunks(Path(data.path), chunk_rows)
+        return
+    try:
+        yield from hf_datasets.iter_chunks(data.path, data.hf_config, data.hf_split, chunk_rows, where)
+    except hf_datasets.HfDatasetError as err:
+        raise DatasetError(str(err)) from None
+
+
+def _data_frame(data: DataConfig) -> pd.DataFrame:
+    """The whole dataset a section names (a file, an hf:NAME dataset or a save_to_disk folder)."""
+    from pipelines.data import hf_datasets
+
+    if not hf_datasets.is_hf_source(data.path):
+        return _read_frame(Path(data.path))
+    try:
+        return hf_datasets.read_frame(data.path, data.hf_config, data.hf_split)
+    except hf_datasets.HfDatasetError as err:
+        raise DatasetError(str(err)) from None
+
+
 def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())
 
@@ -202,7 +286,9 @@ def load_prompts(data: DataConfig) -> tuple[pd.DataFrame, str]:
     if made is not None:
         return made, data.path
     try:
-        frame = _read_frame(Path(data.path))
+        frame = with_mapped_columns(_data_frame(data), data.columns, data.path)
+    except MappingError as err:
+        raise ConfigError([(f"data.columns.{err.column}", str(err))], data.path) from None
     except DatasetError as err:
         raise ConfigError([("data.path", str(err))], data.path) from None
     missing = [c for c in (data.prompt_column, data.id_column) if c is not None and c not in frame.columns]

@@ -5,7 +5,7 @@ one `ConfigError` (exit 2), each with its field and the fix:
 - the models (pipelines/data/models.py, `job_model_folders`): a Hub id resolved in the cache, the policy's
   folder (config.json, code of its own without model.trust_remote_code, a weights file, a tokenizer);
 - each dataset (`data`, `eval.data`), streamed a chunk of rows at a time (pipelines/data/datasets.py,
-  `iter_chunks`: no copy of the file is held): every row readable, every prompt and id, every prompt's
+  `data_chunks`: no copy of the file is held): every row readable, every prompt and id, every prompt's
   length with the chat template applied against the model's context and rollout.vllm.max_model_len
   (pipelines/data/prompt_checks.py, `PromptRows`); the chat template: the file exists and renders, chat
   prompts or a system prompt have one;
@@ -18,7 +18,6 @@ The tokenizer's batch encoder counts the tokens: 50,000 rows take seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -26,7 +25,9 @@ import pandas as pd
 from pipelines.config.base import ConfigError
 from pipelines.config.data import DataConfig
 from pipelines.config.job import JobConfig
-from pipelines.data.datasets import DatasetError, id_text, iter_chunks, load_prompts, made_prompts
+from pipelines.data.datasets import (
+    DatasetError, MappingError, data_chunks, id_text, load_prompts, made_prompts, with_mapped_columns,
+)
 from pipelines.data.models import job_model_folders
 from pipelines.data.prompt_checks import PromptRows, length_budget, load_tokenizer
 
@@ -121,8 +122,11 @@ def _read(data: DataConfig, where: str, rows: PromptRows) -> tuple[list[str] | N
         rows.add(made["prompt"].tolist(), made["prompt_id"].astype(str).tolist())
         return list(made.columns), [], made
     columns: dict[str, None] = {}  # in order, the union of every chunk's (JSON lines need not share keys)
+    first_row = 0
     try:
-        for chunk in iter_chunks(Path(data.path)):
+        for chunk in data_chunks(data, where):
+            chunk = with_mapped_columns(chunk, data.columns, data.path, first_row)
+            first_row += len(chunk)
             columns.update(dict.fromkeys(chunk.columns))
             size = len(chunk)
             prompts = chunk[data.prompt_column].tolist() if data.prompt_column in chunk else [None] * size
@@ -131,7 +135,8 @@ def _read(data: DataConfig, where: str, rows: PromptRows) -> tuple[list[str] | N
                 ids = [id_text(value) for value in chunk[data.id_column]] if data.id_column in chunk else [""] * size
             rows.add(prompts, ids)
     except DatasetError as err:
-        return (_as_read(list(columns), data) if columns else None), [(f"{where}.path", str(err))], None
+        field = f"{where}.columns.{err.column}" if isinstance(err, MappingError) else f"{where}.path"
+        return (_as_read(list(columns), data) if columns else None), [(field, str(err))], None
     return _as_read(list(columns), data), [], None
 
 
@@ -143,12 +148,14 @@ def _as_read(columns: list[str], data: DataConfig) -> list[str]:
 def column_problems(cfg: JobConfig, columns: list[str], where: str, path: str) -> Problems:
     """The reward functions that take an argument no column of the dataset gives (or no argument for the
     completions), and the columns the environment reads that the dataset lacks."""
-    from operators.stages.reward import call_problem, resolve_reward_function, reward_columns
+    from operators.stages.reward import resolve_reward_function, reward_columns
+    from operators.stages.reward_calls import call_problem, reward_style, style_columns
 
     given = reward_columns(columns + (["epoch"] if where == "data" else []))  # the schedule adds each row's epoch
     problems = []
     for index, function in enumerate(cfg.reward.functions):
-        problem = call_problem(resolve_reward_function(function.name), given, f"{where}.path {path!r}")
+        fn = resolve_reward_function(function.name)
+        problem = call_problem(fn, style_columns(given, reward_style(fn, function.style)), f"{where}.path {path!r}")
         if problem:
             problems.append((f"reward.functions.{index}.name", f"reward function {function.name!r} {problem}"))
     environment = cfg.rollout.environment

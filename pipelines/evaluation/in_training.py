@@ -52,7 +52,7 @@ class EvalSettings:
     seed: int
     prompts_per_call: int
     engine: str
-    reward_functions: tuple[tuple[str, float], ...]
+    reward_functions: tuple[tuple[str, float, str], ...]  # (name, weight, style)
     on_error: float
     timeout_s: float
     success_threshold: float
@@ -69,7 +69,7 @@ class EvalSettings:
             n=ev.n, greedy=ev.greedy, temperature=ev.temperature or cfg.rollout.temperature,
             max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p,
             seed=cfg.train.seed, prompts_per_call=ev.prompts_per_call, engine=ev.engine or cfg.rollout.engine,
-            reward_functions=tuple((f.name, f.weight) for f in cfg.reward.functions), on_error=cfg.reward.on_error,
+            reward_functions=tuple(cfg.reward.function_specs()), on_error=cfg.reward.on_error,
             timeout_s=cfg.reward.timeout_s, success_threshold=cfg.reward.success_threshold,
             sandbox_limits=sandbox_limits(cfg.sandbox),
             environment=None if cfg.rollout.environment is None else {**cfg.rollout.environment.model_dump(),

@@ -137,8 +137,9 @@ def case_(name: str, folder: Path, tiny: str) -> Case:
         return Case(data([{"prompt": f"{i}+1="} for i in range(10)]),
                     says=["reward.functions.0.name", "'arithmetic_exact' takes ['answer']", "add the column"])
     if name == "reward_taking_arguments_the_job_does_not_pass":
-        return Case(data(sums(10)), sets=["reward.functions=[{name: 'reward_fixtures:trl_style'}]"],
-                    says=["reward.functions.0.name", "['prompts', 'completion_ids']", "rename the argument"])
+        # TRL-style functions work (tests/integration/test_trl_rewards.py); one needing TRL's trainer_state does not
+        return Case(data(sums(10)), sets=["reward.functions=[{name: 'reward_fixtures:needs_trainer_state'}]"],
+                    says=["reward.functions.0.name", "['trainer_state']", "rename the argument"])
     if name == "reward_taking_no_arguments":
         return Case(data(sums(10)), sets=["reward.functions=[{name: 'os:getcwd'}]"],
                     says=["reward.functions.0.name", "'os:getcwd' takes no argument for the completions",
