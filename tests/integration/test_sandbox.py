@@ -147,7 +147,8 @@ def test_reply_scores_round_trip_through_json():
     sandbox = Sandbox(["reward_fixtures:none_for_empty"], "reward")
     try:
         reply, problem = sandbox.call("reward_fixtures:none_for_empty", ["a", "", "b"], {"answer": ["a", "x", "c"]}, 10)
-        assert problem is None and reply == {"scores": [1.0, None, 0.0], "raised": None}  # it raised on no sample
+        # it raised on no sample; sample 1 is the one it returned None for
+        assert problem is None and reply == {"scores": [1.0, None, 0.0], "none": [1], "raised": None}
     finally:
         sandbox.close()
     reward = Reward([("reward_fixtures:troublemaker", 1.0)], on_error=-1.0, timeout_s=10)
