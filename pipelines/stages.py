@@ -141,7 +141,11 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
     if replicas is not None:  # the group holds the engine's GPUs (vLLM's workers take them), the actor none
         generate_options.update(num_gpus=None, ray_remote_args_fn=replicas)
     in_flight, calls = uses_in_flight(cfg.rollout), actor_calls(cfg.rollout)
-    queued = calls if in_flight else 2
+    # Call-synchronous engines take one call at a time and none is queued behind it at the actor: a queued call
+    # can start first (Ray does not promise submission order to an actor whose tasks are retried; seen in CI and
+    # here: a staleness-0 job's first call, for step 2, waited for version 1 while step 1's call sat behind it,
+    # and the job hung before its first step). The next call is dispatched one executor round (10 ms) later.
+    queued = calls if in_flight else 1
     generate = dict(
         model_path=model_path, engine=cfg.rollout.engine, n=cfg.rollout.n,
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -168,9 +172,8 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
         GenerateReward if in_generate else Generate,
         dict(stages=[(Generate, generate), (Reward, reward)]) if in_generate else generate,
         # In flight: `calls` calls per actor at once, each in its own thread (the engine runs on the
-        # actor's rollout loop, so the calls only wait on it); call-synchronous: one at a time, with the
-        # next one already queued at the actor (it starts the moment its version is out, not one executor
-        # round trip after the previous call ended).
+        # actor's rollout loop, so the calls only wait on it: whichever starts first, none waits behind
+        # another); call-synchronous: one at a time (see `queued`).
         ActorPoolStrategy(**pool_size(cfg.rollout.min_actors, cfg.rollout.max_actors),
                           max_tasks_in_flight_per_actor=queued,
                           max_concurrent_calls_per_actor=calls if in_flight else None,

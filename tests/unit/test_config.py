@@ -250,3 +250,17 @@ def test_the_sections_import_no_operators():
                     if name.split(".")[0] == "operators" or name.startswith("pipelines.") and
                     not name.startswith("pipelines.config.")]
     assert not bad, bad
+
+
+def test_a_call_synchronous_generate_actor_never_has_a_call_queued_behind_another():
+    """A call queued at a call-synchronous generate actor can start before the one ahead of it (Ray does not
+    promise submission order to actors whose tasks are retried): at staleness 0, a call for step 2 then waits for
+    version 1 while step 1's call waits behind it, and the job hangs (CI, twice). One call at a time there; in
+    flight, every queued call runs at once in its own thread, so none waits behind another."""
+    from pipelines.stages import stages
+
+    hf = stages(load_config(TINY, ["train.max_staleness=0"]), "/nonexistent/model", None, None)
+    assert hf[0].compute.max_tasks_in_flight_per_actor == 1
+    vllm = stages(load_config(TINY, ["rollout.engine=vllm", "rollout.max_seqs_in_flight=8"]), "/m", None, None)
+    strategy = vllm[0].compute
+    assert strategy.max_tasks_in_flight_per_actor == strategy.max_concurrent_calls_per_actor > 1
