@@ -56,7 +56,7 @@ VERL_MAPPING = {"ground_truth": "reward_model.ground_truth"}
 def column_mapping(columns: list[str], mapping: dict[str, str]) -> dict[str, str]:
     """data.columns, plus `ground_truth` from `reward_model.ground_truth` for a file in verl's layout (it has a
     `reward_model` column and no `ground_truth` one, and data.columns does not say otherwise)."""
-    if "reward_model" in columns and not ({"ground_truth"} & set(columns) | set(mapping)):
+    if "reward_model" in columns and "ground_truth" not in {*columns, *mapping}:
         return {**VERL_MAPPING, **mapping}
     return mapping
 

@@ -69,10 +69,11 @@ def test_a_verl_parquet_file_is_read_through_column_mapping(tmp_path, tiny_model
     assert prompts["ground_truth"].tolist()[:3] == ["0", "4", "8"]
     assert prompts["prompt_id"].tolist()[:2] == ["sum-000", "sum-001"]  # the id from extra_info.index
     assert list(prompts["prompt"].iloc[1]) == [{"role": "user", "content": "1+3="}]
-    # a file in verl's layout gets `ground_truth` from `reward_model.ground_truth` unasked
-    bare = job_config(tmp_path, tiny_model_path, {"path": verl_parquet(tmp_path)})
-    assert main(["validate", bare]) == 0, capsys.readouterr().err
-    assert load_prompts(load_config(bare).data)[0]["ground_truth"].tolist()[:2] == ["0", "4"]
+    # a file in verl's layout gets `ground_truth` from `reward_model.ground_truth` unasked, beside other mappings too
+    for data in ({}, {"columns": {"index": "extra_info.index"}, "id_column": "index"}):
+        bare = job_config(tmp_path, tiny_model_path, {"path": verl_parquet(tmp_path), **data})
+        assert main(["validate", bare]) == 0, capsys.readouterr().err
+        assert load_prompts(load_config(bare).data)[0]["ground_truth"].tolist()[:2] == ["0", "4"]
     # a column the reward function takes that no mapping makes: refused before anything starts
     other = job_config(tmp_path, tiny_model_path, {"path": verl_parquet(tmp_path)},
                        reward={"functions": [{"name": "trl_style_rewards:needs_a_solution_column"}]})
