@@ -267,9 +267,13 @@ class Generate:
         return batch
 
     def close(self) -> None:
+        """Stop the engine's processes now (vLLM's engine core and workers), not at the interpreter's exit: a
+        process that builds one Generate after another (the race's evaluators) would keep each old engine."""
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
+        elif hasattr(self.engine, "close"):  # a call-synchronous engine (VLLMEngine; HF's holds no process)
+            self.engine.close()
         if self.environment is not None:  # after the rollout: no episode calls a tool any more
             self.environment.close()
 

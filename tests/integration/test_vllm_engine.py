@@ -282,3 +282,27 @@ def test_stop_tokens_of_the_generation_config_end_responses(engine, tiny_model_p
         assert at in ([], [len(tokens) - 1]) and (at or len(tokens) == MAX_NEW)
         ended += bool(at)
     assert ended >= 8  # the tiny model answers with digits: most responses stop at their first one
+
+
+def _engine_processes() -> list:
+    """This process's live vLLM engine-core children (a closed engine's may linger as zombies until reaped)."""
+    import psutil
+
+    return [child for child in psutil.Process().children(recursive=True)
+            if child.status() != psutil.STATUS_ZOMBIE and "EngineCore" in child.name()]
+
+
+def test_closing_a_call_synchronous_generate_stops_its_engine_processes(tiny_model_path):
+    """The race scores each run with a new evaluator in one process: an evaluator's Generate that kept its vLLM
+    engine core after close() left one busy 2.5 GB process per evaluation beside the next runs."""
+    from operators.stages.generate import Generate
+
+    before = {child.pid for child in _engine_processes()}  # the module's engine fixture may hold one
+    generate = Generate(tiny_model_path, engine="vllm", n=1, max_new_tokens=2,
+                        engine_options={"gpu_memory_utilization": 0.1, "max_model_len": 64})
+    started = [child for child in _engine_processes() if child.pid not in before]
+    assert len(started) == 1, started
+    generate.close()
+    started[0].wait(timeout=60)  # ends (and is reaped by psutil's wait) instead of living until exit
+    assert started[0].pid not in {child.pid for child in _engine_processes()}
+    generate.close()  # twice is harmless
