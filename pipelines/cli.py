@@ -159,10 +159,13 @@ def _run(args, cfg) -> int:
     if result.metrics.empty:  # a resumed run has at least one step left (a finished one is refused)
         print("streamrl: nothing was trained")
         return 0
-    first, last = result.metrics.head(10), result.metrics.tail(10)
+    from pipelines.tracking.progress import summary_window
+
+    edge = summary_window(len(result.metrics))
+    first, last = result.metrics.head(edge), result.metrics.tail(edge)
     print(
-        f"streamrl: success rate first 10 steps {first['success_rate'].mean():.3f} -> "
-        f"last 10 steps {last['success_rate'].mean():.3f}; "
+        f"streamrl: success rate first {edge} steps {first['success_rate'].mean():.3f} -> "
+        f"last {edge} steps {last['success_rate'].mean():.3f}; "
         f"reward {first['reward_mean'].mean():.3f} -> {last['reward_mean'].mean():.3f}"
     )
     held_out = result.eval_metrics

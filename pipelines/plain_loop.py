@@ -31,6 +31,7 @@ from pipelines.config.load import load_config
 from pipelines.data.datasets import load_prompts
 from pipelines.data.models import resolve_model_path
 from pipelines.runtime.trainer_settings import trainer_settings
+from pipelines.tracking.progress import summary_window
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.yaml"
 # What one process needs in place of the job's settings: the HF engine (call-synchronous), no MLflow, and
@@ -102,10 +103,11 @@ def run(cfg: JobConfig, model_path: str, watch: Callable | None = None, echo: Ca
 
 
 def summary(records: list[dict]) -> str:
-    """The success rate of the first and the last EDGE steps."""
-    first = np.mean([r["success_rate"] for r in records[:EDGE]])
-    last = np.mean([r["success_rate"] for r in records[-EDGE:]])
-    return f"success rate: first {min(EDGE, len(records))} steps {first:.3f}, last {min(EDGE, len(records))} steps {last:.3f}"
+    """The success rate of the first and the last EDGE steps (fewer when the run is shorter than 2 x EDGE)."""
+    edge = summary_window(len(records), EDGE)
+    first = np.mean([r["success_rate"] for r in records[:edge]])
+    last = np.mean([r["success_rate"] for r in records[-edge:]])
+    return f"success rate: first {edge} steps {first:.3f}, last {edge} steps {last:.3f}"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -6,6 +6,13 @@ import time
 from typing import Callable
 
 
+def summary_window(steps: int, edge: int = 10) -> int:
+    """How many steps the run's summary averages at each end: 10, or half the run when it is shorter than 20
+    steps, so that a short run's first and last windows do not overlap (a 16-step run compares steps 1-8 with
+    9-16, not 1-10 with 7-16); 1 for a one-step run."""
+    return max(1, min(edge, steps // 2))
+
+
 def _duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
