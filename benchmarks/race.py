@@ -6,7 +6,9 @@ accuracy measured on each run's checkpoints after the run, so the measurement ne
 
 Each run is the config as `streamrl run` runs it, with `train.max_staleness` set by the mode (`default`: the
 config's own), `train.seed` by the seed, no evaluation in the job (`eval=null`), a checkpoint with its Hugging
-Face folder every `--every` steps and after the last, and tracking off (the record is the JSON below). The
+Face folder every `--every` steps and after the last, and tracking off (the record is the JSON below). Mode
+`plain` is the baseline instead: the config as one synchronous loop in one process, no Ray
+(pipelines/plain_loop.py: transformers' generate on every core), its weights saved at the same steps. The
 wall time of a step is from the job's start (Ray, engines, ranks: start-up counts) to the end of that step's
 training. After each run one evaluator (the config's `eval` section: its held-out data, engine and
 max_new_tokens; greedy decoding) loads each checkpoint's weights in turn and scores the held-out prompts;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -36,16 +39,22 @@ from benchmarks.command_line import run_command
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("0", "default", "2")
+PLAIN = "plain"  # the mode that runs the config as one synchronous loop in one process (no Ray): the baseline
 RISE, TARGET = 0.15, 0.85
 # A point's scores: greedy held-out accuracy, and with the answer_format reward the share of answers stated in
 # the asked format and the accuracy among those (a rise that is only the format shows as such).
+# Each step's training figures kept in the record (columns starting so, per staleness too): what was learned
+# from, how far the samples' policy lay from the trainer's (rho = pi_prox / pi_behave), and how much of the
+# step's gradient the clip removed.
+TRAIN_METRICS = ("success_rate", "reward_mean", "staleness_", "clip_fraction", "dual_clip_fraction", "ratio_",
+                 "approx_kl", "is_ratio", "mismatch_k3", "tis_fraction", "entropy", "grad_norm")
 SCORES = {"accuracy": "success_rate", "answered_rate": "answered_rate",
           "accuracy_among_answered": "success_among_answered"}
 
 
 def run_overrides(mode: str, seed: int, every: int, output_dir: Path) -> list[str]:
     """What a race run sets on top of the config and the user's --set."""
-    staleness = [] if mode == "default" else [f"train.max_staleness={int(mode)}"]
+    staleness = [] if mode in ("default", PLAIN) else [f"train.max_staleness={int(mode)}"]
     return [*staleness, f"train.seed={seed}", "eval=null", f"train.checkpoint_every={every}",
             "train.checkpoint_keep=0", "train.checkpoint_hf_export=every", "tracking.enabled=false",
             f"output_dir={output_dir}"]
@@ -53,6 +62,8 @@ def run_overrides(mode: str, seed: int, every: int, output_dir: Path) -> list[st
 
 def run_once(config: str, overrides: list[str], mode: str, seed: int, every: int, output_dir: Path, echo=print) -> dict:
     """One timed run: its steps' wall times from the job's start and its checkpoints."""
+    if mode == PLAIN:
+        return run_plain(config, overrides, seed, every, output_dir, echo)
     from pipelines.config.load import load_config
     from pipelines.job import run_job
     from pipelines.recovery.checkpoint import CheckpointDir
@@ -63,17 +74,71 @@ def run_once(config: str, overrides: list[str], mode: str, seed: int, every: int
     wall = time.time() - start
     step_end = {int(row["step"]): json.loads(row["timeline"])["train"][1] - start
                 for row in result.metrics.to_dict("records")}
+    trained = {int(row["step"]): {key: round(float(value), 4) for key, value in row.items()
+                                  if key.startswith(TRAIN_METRICS) and isinstance(value, (int, float))
+                                  and value == value}  # NaN (a skipped step's loss) is left out
+               for row in result.metrics.to_dict("records")}
     checkpoints = [{"step": step, "path": str(path)}
                    for step, path in CheckpointDir.of_run(result.output_dir, result.resume_id).steps()]
     return {"mode": mode, "seed": seed, "max_staleness": int(cfg.train.max_staleness), "wall_s": round(wall, 1),
             "first_step_s": round(step_end.get(1, float("nan")), 1), "steps": len(step_end),
-            "step_end_s": {str(k): round(v, 2) for k, v in sorted(step_end.items())}, "checkpoints": checkpoints,
+            "step_end_s": {str(k): round(v, 2) for k, v in sorted(step_end.items())},
+            "trained": {str(k): v for k, v in sorted(trained.items())}, "checkpoints": checkpoints,
             "model_path": result.model_path}
 
 
+def run_plain(config: str, overrides: list[str], seed: int, every: int, output_dir: Path, echo=print) -> dict:
+    """The synchronous baseline: the same config as one plain loop in this process (pipelines/plain_loop.py:
+    transformers' generate, then the reward, then one train step, then the new weights into the engine; no
+    Ray), on every core of the machine. Its weights are saved every `every` steps and after the last (as a
+    safetensors file of the trainer's arrays), out of the step's time; the wall time counts from before the
+    model loads, as a job's counts from before Ray starts."""
+    from safetensors.numpy import save_file
+
+    from pipelines.config.load import load_config
+    from pipelines.data.models import resolve_model_path
+    from pipelines.plain_loop import ONE_PROCESS, run, unsupported
+
+    cfg = load_config(config, [*overrides, *ONE_PROCESS, "rollout.partial_rollout=false", f"train.seed={seed}",
+                               "eval=null", f"train.torch_threads={os.cpu_count()}"])
+    left_out = unsupported(cfg)
+    if left_out:
+        raise SystemExit(f"race --modes {PLAIN}: the plain loop leaves out {', '.join(left_out)}: race the job's "
+                         "modes only")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model_path(cfg.model)
+    step_end, checkpoints, saving = {}, [], [0.0]
+
+    def watch(record, generate, worker):
+        step = record["step"]
+        step_end[step] = time.time() - start - saving[0]
+        if step % every == 0 or step == cfg.train.steps:
+            began = time.time()
+            path = output_dir / f"step-{step}.safetensors"
+            save_file(worker.state_dict(), str(path))
+            checkpoints.append({"step": step, "path": str(path)})
+            saving[0] += time.time() - began
+
+    start = time.time()
+    records = run(cfg, model_path, watch=watch, echo=echo)
+    wall = time.time() - start - saving[0]
+    trained = {record["step"]: {key: round(float(record[key]), 4) for key in ("success_rate", "reward_mean",
+                                                                            "grad_norm") if key in record}
+               for record in records}
+    return {"mode": PLAIN, "seed": seed, "max_staleness": 0, "wall_s": round(wall, 1),
+            "first_step_s": round(step_end.get(1, float("nan")), 1), "steps": len(step_end),
+            "step_end_s": {str(k): round(v, 2) for k, v in sorted(step_end.items())},
+            "trained": {str(k): v for k, v in sorted(trained.items())}, "checkpoints": checkpoints,
+            "model_path": model_path}
+
+
 def checkpoint_weights(folder: str) -> dict:
-    """A checkpoint's policy (its Hugging Face folder) as fp32 arrays under the trainer's names (tied
-    tables included: from_pretrained restores them)."""
+    """A checkpoint's policy (its Hugging Face folder, or the plain loop's safetensors file of the trainer's
+    arrays) as fp32 arrays under the trainer's names (tied tables included: from_pretrained restores them)."""
+    if folder.endswith(".safetensors"):
+        from safetensors.numpy import load_file
+
+        return load_file(folder)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -175,7 +240,7 @@ def summarize(record: dict, picture: Path, title: str) -> None:
     curves, heads = {}, {}
     for mode in record["modes"]:
         runs = [run for run in record["runs"] if run["mode"] == mode]
-        label = mode if mode != "default" else f"default ({runs[0]['max_staleness']})"
+        label = {"default": f"default ({runs[0]['max_staleness']})", PLAIN: "plain loop (sync)"}.get(mode, mode)
         curves[label] = race_curves.mode_curve(runs)
         heads[label] = race_curves.headline(runs, base, TARGET, RISE)
     record["curves"], record["headline"] = curves, heads
@@ -190,15 +255,15 @@ def _command(config, overrides, modes, seeds, every, name) -> str:
 
 def machine() -> dict:
     """Where a record was measured."""
-    import os
-
     return {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated max_staleness values; 'default' is the config's (default: 0,default,2)")
+                        help="comma-separated max_staleness values; 'default' is the config's; 'plain' runs the "
+                             "config as one synchronous loop in one process, no Ray (pipelines/plain_loop.py: the "
+                             "HF engine, every core), the baseline (default: 0,default,2)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode (train.seed 0, 1, ...; default 3)")
     parser.add_argument("--every", type=int, default=4, help="checkpoint (and score) every this many steps (default 4)")
     parser.add_argument("--continue", dest="resume", action="store_true",
