@@ -6,7 +6,8 @@ It checks what the tiny character model could not: the chat template was applied
 `streamrl lineage` show the ChatML prompt with the system prompt and the generation prompt), the model's EOS
 (`<|im_end|>`, from its generation config) ends responses and nothing follows it, the ledger holds every
 group once, the final policy is an MLflow model with its tokenizer and chat template, and at the first update
-the trainer's log-probs agree with vLLM's: the PPO ratio is 1 within 1e-3.
+the trainer's log-probs agree with vLLM's: rho = pi_trainer / pi_engine is 1 within 1e-3 on average (its 99th
+percentile within 1e-2).
 """
 
 from __future__ import annotations
@@ -96,8 +97,12 @@ def test_first_update_agrees_with_the_engine_and_the_policy_is_an_mlflow_model(j
     out, run_id, _, stdout = job
     mlflow.set_tracking_uri(f"sqlite:///{out.resolve() / 'mlflow.db'}")
     client = mlflow.tracking.MlflowClient()
-    ratio = {m.step: m.value for m in client.get_metric_history(run_id, "ratio_mean")}
-    assert abs(ratio[min(ratio)] - 1.0) < 1e-3, ratio  # fp32 vLLM vs fp32 trainer, same weights
+    # rho = pi_trainer / pi_engine on the sampled tokens, whatever the policy loss (decoupled_ppo's own ratio is
+    # centred on the trainer's policy and is 1 by construction): fp32 vLLM vs fp32 trainer, same weights
+    rho = {m.step: m.value for m in client.get_metric_history(run_id, "is_ratio_mean")}
+    assert abs(rho[min(rho)] - 1.0) < 1e-3, rho
+    p99 = {m.step: m.value for m in client.get_metric_history(run_id, "is_ratio_p99")}
+    assert abs(p99[min(p99)] - 1.0) < 1e-2, p99
     run = client.get_run(run_id)
     (output,) = run.outputs.model_outputs
     model = client.get_logged_model(output.model_id)
