@@ -54,7 +54,7 @@ SCORES = {"accuracy": "success_rate", "answered_rate": "answered_rate",
 
 def run_overrides(mode: str, seed: int, every: int, output_dir: Path) -> list[str]:
     """What a race run sets on top of the config and the user's --set."""
-    staleness = [] if mode in ("default", PLAIN) else [f"train.max_staleness={int(mode)}"]
+    staleness = [] if mode == "default" else [f"train.max_staleness={int(mode)}"]
     return [*staleness, f"train.seed={seed}", "eval=null", f"train.checkpoint_every={every}",
             "train.checkpoint_keep=0", "train.checkpoint_hf_export=every", "tracking.enabled=false",
             f"output_dir={output_dir}"]
