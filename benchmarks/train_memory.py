@@ -14,6 +14,7 @@ activations, logits, graphs) and the step's wall time.
     python benchmarks/train_memory.py --code ../old-checkout --label before --sizes 64,128,256
     python benchmarks/train_memory.py --packing false --label padded --sizes 64,256    # padded micro-batches
     python benchmarks/train_memory.py --sizes 64 --repeats 3 --label packed            # median of 3 processes
+    python benchmarks/train_memory.py --sizes 64 --label lora --set 'train.lora={}' --set train.lr=1e-4   # LoRA
 
 `--code` runs the trainer of another checkout (e.g. a commit before a change), with the same model,
 samples and settings. Runs one size at a time: do not run anything else beside it.
@@ -69,7 +70,7 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def child(model: str, count: int, budget: int, threads: int, packing: str = "true") -> dict:
+def child(model: str, count: int, budget: int, threads: int, packing: str = "true", sets: tuple = ()) -> dict:
     """One train step in this process (run by the parent with the checkout's code on sys.path)."""
     import resource
 
@@ -79,11 +80,11 @@ def child(model: str, count: int, budget: int, threads: int, packing: str = "tru
     from pipelines.runtime.trainer_settings import trainer_settings
 
     samples = make_samples(count)
-    sets = [f"train.micro_batch_tokens={budget}", f"train.torch_threads={threads}", "train.lr=1e-5",
-            "rollout.max_new_tokens=2032"]
+    settings = [f"train.micro_batch_tokens={budget}", f"train.torch_threads={threads}", "train.lr=1e-5",
+                "rollout.max_new_tokens=2032"]
     if packing != "default":  # a checkout from before train.packing existed has no such field
-        sets.append(f"train.packing={packing}")
-    cfg = load_config(None, sets)
+        settings.append(f"train.packing={packing}")
+    cfg = load_config(None, [*settings, *sets])
     worker = TrainWorker(0, 1, free_port(), trainer_settings(cfg, model), None)
     # A first small step allocates what every step keeps (gradients, Adam's moments), so the measured
     # step's growth is what depends on the step: activations, logits, the graph.
@@ -97,6 +98,7 @@ def child(model: str, count: int, budget: int, threads: int, packing: str = "tru
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"samples": count, "response_tokens": tokens,
             "tokens": tokens + PROMPT_TOKENS * count, "micro_batches": result["micro_batches"],
+            "trained_parameters": sum(p.numel() for p in worker.engine.module.parameters() if p.requires_grad),
             "rss_before_step_gib": before / 2**30, "peak_rss_gib": peak / 2**30,
             "step_growth_gib": (peak - before) / 2**30, "step_seconds": seconds,
             "policy_loss": result["policy_loss"], "grad_norm": result["grad_norm"]}
@@ -127,11 +129,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="processes per size; the record keeps each one's peak and their median (peak RSS "
                              "moved by up to 0.5 GiB between identical runs at 64 samples)")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a config override of the measured step, e.g. 'train.lora={}' (repeatable)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        model, count, budget, threads, packing = args.child
-        print(json.dumps(child(model, int(count), int(budget), int(threads), packing)))
+        model, count, budget, threads, packing, *sets = args.child
+        print(json.dumps(child(model, int(count), int(budget), int(threads), packing, tuple(sets))))
         return
     model = build_model(Path(args.model_dir))
     code = Path(args.code).resolve()
@@ -144,7 +148,7 @@ def main() -> None:
         repeats = []
         for _ in range(args.repeats):
             done = subprocess.run([sys.executable, __file__, "--child", str(model), str(count),
-                                   str(args.micro_batch_tokens), str(args.threads), args.packing],
+                                   str(args.micro_batch_tokens), str(args.threads), args.packing, *args.set],
                                   cwd=code, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stderr[-2000:], file=sys.stderr)
@@ -165,7 +169,7 @@ def main() -> None:
         "code_commit": commit, "model": {**MODEL, "parameters": "~110M"},
         "lengths": {"prompt": PROMPT_TOKENS, "response_lognormal_median": MEDIAN, "sigma": SIGMA, "cap": CAP},
         "micro_batch_tokens": args.micro_batch_tokens, "packing": args.packing, "torch_threads": args.threads,
-        "env": args.env,
+        "env": args.env, "sets": args.set,
         "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

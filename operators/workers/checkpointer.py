@@ -21,12 +21,15 @@ class Checkpointer:
     """Checkpoints, RNG states, full state dicts and the HF export of one trainer rank."""
 
     def __init__(self, engine, torch, rank: int, weights: Callable[[], Iterable[tuple[str, Any]]], *,
-                 partitioned: bool, model_path: str, trust_remote_code: bool):
+                 partitioned: bool, model_path: str, trust_remote_code: bool, adapters_only: bool = False):
         """`engine`: the rank's DeepSpeed engine; `torch`: the torch module (its RNG state is saved);
         `weights()`: walks the module's (name, tensor) pairs, gathering each module's parameters for the
         duration when `partitioned` (ZeRO-3: a collective, every rank must walk); `model_path` and
-        `trust_remote_code`: where the export takes its tokenizer from, and how it loads it."""
+        `trust_remote_code`: where the export takes its tokenizer from, and how it loads it. `adapters_only`: a
+        LoRA rank, whose checkpoints hold the adapters and their optimizer state, not the frozen base weights
+        (they are the model folder's, loaded again on resume)."""
         self.engine, self.torch, self.rank, self.weights = engine, torch, rank, weights
+        self.adapters_only = adapters_only
         self.partitioned = partitioned
         self.model_path, self.trust_remote_code = model_path, trust_remote_code
 
@@ -46,7 +49,8 @@ class Checkpointer:
         policy `version` into folder/engine, and this rank's RNG states into folder/rng/rank_N.json."""
         folder = Path(folder)
         self.engine.save_checkpoint(
-            str(folder), tag="engine", client_state={"policy_version": version}, save_latest=False
+            str(folder), tag="engine", client_state={"policy_version": version}, save_latest=False,
+            exclude_frozen_parameters=self.adapters_only,
         )
         (folder / "rng").mkdir(parents=True, exist_ok=True)
         (folder / "rng" / f"rank_{self.rank}.json").write_text(json.dumps(rng_state(self.torch)))
@@ -56,7 +60,10 @@ class Checkpointer:
         restored version (a checkpoint whose engine state says another one is refused)."""
         folder = Path(folder)
         path, client_state = self.engine.load_checkpoint(
-            str(folder), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=True
+            str(folder), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=True,
+            # a LoRA checkpoint has no frozen weights: the module's are the model folder's, and stay (a resume
+            # with another train.lora is refused before any actor starts: pipelines/recovery/resume.py)
+            load_module_strict=not self.adapters_only,
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed engine state in {folder / 'engine'}")

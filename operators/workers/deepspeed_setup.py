@@ -73,13 +73,14 @@ def zero3_init(settings: TrainerSettings, config: dict):
 
 
 def build_engine(torch, deepspeed, model, settings: TrainerSettings, config: dict):
-    """The DeepSpeed engine that trains `model`: AdamW with the settings' lr, betas and weight decay, the LR
-    schedule, and gradient checkpointing when asked for."""
+    """The DeepSpeed engine that trains `model`: AdamW with the settings' lr, betas and weight decay over the
+    parameters that require gradients (all of them, or a LoRA rank's adapters: the optimizer holds no state for
+    frozen weights), the LR schedule, and gradient checkpointing when asked for."""
     if settings.gradient_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
     )
     schedule = settings.lr_schedule
     # Stepped by DeepSpeed after each optimizer step; saved and restored with the engine's checkpoint.

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from operators.algorithms.correction import CorrectionSettings
+from operators.workers.lora import LoraSettings
 
 
 @dataclass(frozen=True)
@@ -76,3 +77,4 @@ class TrainerSettings:
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     ppo_epochs: int = 1  # passes over the step's samples
     mini_batches: int = 1  # optimizer steps per pass; each gets 1/mini_batches of the rank's samples
+    lora: LoraSettings | None = None  # train.lora: adapters only train (operators/workers/lora.py); None: every weight

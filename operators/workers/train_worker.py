@@ -32,6 +32,7 @@ from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts
 from operators.common.devices import local_device
 from operators.algorithms.logprobs import chunkable_head, chunked_logprobs
 from operators.weights.buckets import named_weights
+from operators.weights.lora_merge import merged_weights
 from operators.weights.publisher import Publisher
 from operators.workers.checkpointer import Checkpointer
 from operators.workers.deepspeed_setup import (
@@ -43,6 +44,7 @@ from operators.workers.deepspeed_setup import (
     zero3_init,
 )
 from operators.workers.engine_steps import gathered_head, max_over_ranks, optimizer_steps
+from operators.workers.lora import add_adapters
 from operators.workers.settings import TrainerSettings
 
 
@@ -78,6 +80,8 @@ class TrainWorker:
         # ZeRO-3: kept alive with the model, so that it is built partitioned (deepspeed_setup.zero3_init).
         self._zero3_init = zero3_init(settings, config)
         model = self._build_model(settings)
+        if settings.lora is not None:  # train.lora: only the adapters train; the weights served are merged
+            model = add_adapters(torch, model, settings.lora, settings.seed)
         self.engine = build_engine(torch, deepspeed, model, settings, config)
         self.pad_id = model.config.pad_token_id or 0
         self._one_row = check_packing(model, settings.packing, self.SECTION)  # flash-attention: one packed row
@@ -87,9 +91,10 @@ class TrainWorker:
         self.version = 0  # the policy version: train steps done (see the module docstring)
         # The weight walk: (name, tensor) for every state-dict entry, one module at a time; under ZeRO-3 each
         # module's parameters are gathered for the duration (a collective: every rank must iterate it, so every
-        # rank joins a publish and rank 0 alone sends). The parts get it, and what else they use.
+        # rank joins a publish and rank 0 alone sends); with LoRA, the adapted layers merged (lora_merge.py).
         gathered = deepspeed.zero.GatheredParameters if settings.zero_stage == 3 else None
-        self._named_weights = functools.partial(named_weights, self.engine.module, gathered)
+        walk = named_weights if settings.lora is None else merged_weights
+        self._named_weights = functools.partial(walk, self.engine.module, gathered)  # given to the parts
         self.publisher = Publisher(  # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
             policy_store if rank == 0 else None, self._named_weights,
             joins=policy_store is not None and (rank == 0 or settings.zero_stage == 3),
@@ -98,7 +103,7 @@ class TrainWorker:
             role=self.ROLE, section=self.SECTION, pin_memory=self.device.type == "cuda")
         self.checkpointer = Checkpointer(
             self.engine, torch, rank, self._named_weights, partitioned=settings.zero_stage == 3,
-            model_path=settings.model_path, trust_remote_code=settings.trust_remote_code)
+            model_path=settings.model_path, trust_remote_code=settings.trust_remote_code, adapters_only=bool(settings.lora))
         self.initialised_at = time.time()  # wall clock: when this rank was up (the job's start-up report)
 
     def _build_model(self, settings: TrainerSettings):

@@ -5,11 +5,33 @@ TrainerSettings, filled by name in pipelines/runtime/trainer_settings.py."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipelines.config.base import CustomResources, GpuCount, Section
+
+
+class LoraSection(Section):
+    """`train.lora`: train low-rank adapters instead of every weight (operators/workers/lora.py)."""
+
+    r: int = Field(16, ge=1, le=1024, description="The adapters' rank.")
+    alpha: float = Field(32.0, gt=0, description="The adapters' scale: the update is alpha / r x B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    target_modules: Union[str, list[str]] = Field(
+        "all-linear", description="The linear layers that get an adapter: names matched against the end of each "
+        "layer's name (e.g. [q_proj, v_proj]), or all-linear (every linear layer but the output head)."
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named(cls, value):
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"{value!r} is neither all-linear nor a list; give a list of layer names (e.g. "
+                             f"[{value}]) or all-linear")
+        if isinstance(value, list) and (not value or not all(name.strip() for name in value)):
+            raise ValueError("give at least one layer name (e.g. [q_proj, v_proj]), or all-linear")
+        return value
 
 
 class TrainConfig(Section):
@@ -100,6 +122,13 @@ class TrainConfig(Section):
         "equal mini-batches (must divide groups_per_step x rollout.n / world_size)."
     )
     seed: int = Field(0, description="Seed of the trainer and the samplers.")
+    lora: Optional[LoraSection] = Field(
+        None, description="Train LoRA adapters on the policy instead of every weight ({} for the defaults: rank "
+        "16, alpha 32, every linear layer): the optimizer holds state for the adapters only and checkpoints hold "
+        "them alone. The generators get the merged weights (W + alpha/r B A) at each update, as with full "
+        "fine-tuning. Needs peft (pip install 'streamrl[lora]'). Adapters usually want a higher lr than full "
+        "fine-tuning. null: train every weight."
+    )
     checkpoint_every: int = Field(
         10, ge=0, description="Write a resumable checkpoint (DeepSpeed model + optimizer state, RNG states, the "
         "ledger of trained groups) every this many steps; 0: only after the last step, which always gets one. "

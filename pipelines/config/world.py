@@ -131,6 +131,7 @@ def world_problems(cfg: JobConfig) -> list[tuple[str, str]]:
 
     lines += model_problems(cfg)
     lines += tensor_parallel_problems(cfg)
+    lines += lora_problems(cfg)
     if cfg.ray.cluster is not None:
         from pipelines.runtime.memory import trainer_memory_problem
         from pipelines.runtime.resources import declared_nodes, plan_problems
@@ -162,6 +163,28 @@ def tensor_parallel_problems(cfg: JobConfig) -> list[str]:
         return []
     return [f"rollout.vllm.tensor_parallel_size: {tp} cannot split the model's {heads} attention heads "
             f"({kv} key/value heads) evenly; use one of {fits} (and rollout.num_gpus to match)"]
+
+
+def lora_problems(cfg: JobConfig) -> list[str]:
+    """train.lora needs peft, and each of its target_modules must name linear layers of the model (read from
+    the model folder's config when the folder is at hand: nothing is downloaded or built to check)."""
+    lora = cfg.train.lora
+    if lora is None:
+        return []
+    from operators.workers.lora import layer_kinds, linear_layer_names, peft_missing, unmatched_targets
+
+    missing = peft_missing()
+    if missing:
+        return [f"train.lora: {missing}"]
+    model_folder = _model_folder_at_hand(cfg)
+    if model_folder is None or isinstance(lora.target_modules, str):
+        return []
+    names = linear_layer_names(model_folder, cfg.model.trust_remote_code)
+    unmatched = unmatched_targets(tuple(lora.target_modules), names)
+    if not unmatched:
+        return []
+    return [f"train.lora.target_modules: {unmatched} name no linear layer of {cfg.model.path}; its linear layers "
+            f"are {layer_kinds(names)}: use some of those, or all-linear"]
 
 
 def _model_folder_at_hand(cfg: JobConfig) -> str | None:

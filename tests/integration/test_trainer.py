@@ -14,6 +14,7 @@ from pipelines.runtime.policy_store import create_policy_store
 from pipelines.runtime.trainer_group import start_trainer_group
 from operators.algorithms.step_batch import explode, shard, step_normalisers
 from operators.weights.object_store import fetch
+from reference_step import reference_updates
 from samples import episode_rows, episode_samples, step_samples
 
 
@@ -38,17 +39,23 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
             ray.kill(actor)
 
 
-# token_mean in CI; the sequence aggregations over episodes with make test-extended (CI stays under 45
-# minutes; their maths is checked against the reference in tests/unit/test_algorithm_reference.py).
-@pytest.mark.parametrize("aggregation,episodes", [
-    ("token_mean", False),
-    pytest.param("seq_mean_token_mean", True, marks=pytest.mark.extended),
-    pytest.param("seq_mean_token_sum_norm", True, marks=pytest.mark.extended),
-])
-def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation, episodes):
+# token_mean in CI, with every weight and with LoRA adapters; the sequence aggregations over episodes with
+# make test-extended (CI stays under 45 minutes; their maths is checked against the reference in
+# tests/unit/test_algorithm_reference.py).
+@pytest.mark.parametrize("aggregation,episodes,lora", [
+    ("token_mean", False, None),
+    ("token_mean", False, "{r: 4, alpha: 8}"),
+    pytest.param("seq_mean_token_mean", True, None, marks=pytest.mark.extended),
+    pytest.param("seq_mean_token_sum_norm", True, None, marks=pytest.mark.extended),
+], ids=["token_mean", "token_mean-lora", "seq_mean_token_mean-episodes", "seq_mean_token_sum_norm-episodes"])
+def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation, episodes, lora):
     """The ranks' shards are balanced by tokens, so they hold different numbers of samples here: the
     losses still add up to the one-rank step, for a token-normalised, a sequence-averaged and Dr. GRPO's
-    loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's)."""
+    loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's).
+    With LoRA (train.lora), the adapters' gradients reach both shards and the published weights, each adapted
+    layer gathered with its adapters and merged (operators/weights/lora_merge.py), are the one-rank ones."""
+    if lora:
+        pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
 
     rows = episode_rows(tiny_model_path) if episodes else step_samples(tiny_model_path)
     first = rows[0]
@@ -61,7 +68,7 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
     shards = shard(samples, 2)
     assert len(shards[0]["advantages"]) != len(shards[1]["advantages"])
     base = ["rollout.n=4", "train.groups_per_step=2", "rollout.groups_per_call=1", "train.num_cpus=0.4",
-            f"algorithm.loss_aggregation={aggregation}"]
+            f"algorithm.loss_aggregation={aggregation}", *([f"train.lora={lora}", "train.lr=0.02"] if lora else [])]
     single = load_config(None, base + ["train.world_size=1", "train.zero_stage=0"])
     # The sharded side also splits each rank's samples into micro-batches (several forwards,
     # one backward under ZeRO-3): the step must still equal the single-rank one.
@@ -83,6 +90,13 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
     for name in weights_1:
         diff = np.abs(weights_1[name] - weights_2[name])
         assert diff.mean() < 1e-5, name
+    if lora:  # the base model's names, and the adapted layers moved
+        from safetensors.numpy import load_file
+
+        pretrained = load_file(f"{tiny_model_path}/model.safetensors")
+        assert weights_1.keys() >= pretrained.keys() and not any("lora" in name for name in weights_1)
+        moved = [name for name in pretrained if np.abs(weights_1[name] - pretrained[name]).max() > 1e-4]
+        assert moved and all(name.endswith("_proj.weight") for name in moved), moved
 
 
 def test_micro_batches_give_the_same_step(tiny_model_path):
@@ -117,83 +131,6 @@ def test_micro_batches_give_the_same_step(tiny_model_path):
             assert diff.mean() < 1e-7 and diff.max() <= 2.0 * cfg.train.lr + 1e-6, (name, diff.mean(), diff.max())
 
 
-def _reference_updates(model_path: str, samples: dict, cfg, partitions: list[list[list[int]]]):
-    """The same train step written out in plain torch (no DeepSpeed, no TrainWorker code): per optimizer
-    step, forward the mini-batch, the policy loss with TIS (token: weight min(rho_t, C); sequence: min(prod
-    rho, C) in place of rho_t), KL to the reference and the entropy bonus, token_mean over the mini-batch's
-    trained tokens (or Dr. GRPO's sum over responses with a trained token x max_new_tokens), backward, clip,
-    AdamW. Multi-turn samples (`loss_masks`) train their policy tokens only. pi_prox is computed before the
-    first update when there are several, else it is the current log-probs. Returns (losses, grad norms,
-    weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from operators.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES
-
-    torch.manual_seed(cfg.train.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                  weight_decay=cfg.train.weight_decay)
-    algo = cfg.algorithm
-
-    def tensors(indices):
-        seqs = [[*samples["prompt_token_ids"][i], *samples["response_token_ids"][i]] for i in indices]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), model.config.pad_token_id or 0)
-        attention = torch.zeros_like(ids)
-        per_token = {key: torch.zeros(len(seqs), width - 1) for key in ("mask", "behave", "adv", "ref")}
-        for row, (i, seq) in enumerate(zip(indices, seqs)):
-            ids[row, :len(seq)], attention[row, :len(seq)] = torch.tensor(seq), 1
-            at = slice(len(samples["prompt_token_ids"][i]) - 1, len(seq) - 1)  # next-token positions
-            per_token["mask"][row, at] = torch.tensor([float(m) for m in samples["loss_masks"][i]]) \
-                if "loss_masks" in samples else 1.0
-            per_token["behave"][row, at] = torch.tensor(samples["behavior_logprobs"][i])
-            per_token["adv"][row, at] = samples["advantages"][i]
-            per_token["ref"][row, at] = torch.tensor(samples["ref_logprobs"][i])
-        return ids, attention, per_token
-
-    def logits_logprobs(ids, attention):
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / cfg.rollout.temperature
-        return logits, torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-    updates = cfg.train.ppo_epochs * cfg.train.mini_batches
-    everyone = list(range(len(samples["advantages"])))
-    if updates > 1:
-        with torch.no_grad():
-            ids, attention, _ = tensors(everyone)
-            prox_all = logits_logprobs(ids, attention)[1]  # [N, L-1]
-    losses, norms = [], []
-    for epoch_parts in partitions:
-        for indices in epoch_parts:
-            ids, attention, t = tensors(indices)
-            logits, logprobs = logits_logprobs(ids, attention)
-            prox = prox_all[indices][:, :logprobs.shape[1]] if updates > 1 else logprobs.detach()
-            options = dict(clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high)
-            if algo.policy_loss == "decoupled_ppo":
-                options.update(proximal_logprobs=prox, clip_ratio_c=algo.clip_ratio_c)
-            per_token, _ = POLICY_LOSSES.get(algo.policy_loss)(logprobs, t["behave"], t["adv"], t["mask"], **options)
-            log_rho = (prox - t["behave"]) * t["mask"]
-            if algo.tis == "token":  # effective behaviour weight min(rho, cap)
-                per_token = per_token * torch.clamp(algo.tis_cap / torch.exp(log_rho), max=1.0)
-            if algo.tis == "sequence":  # the response's prod rho, capped, in place of each token's rho
-                capped = torch.clamp(log_rho.sum(-1, keepdim=True), max=float(np.log(algo.tis_cap)))
-                per_token = per_token * torch.exp(capped - log_rho)
-            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-            per_token = per_token - algo.entropy_coef * entropy
-            per_token = per_token + algo.kl_coef * KL_ESTIMATORS.get(algo.kl_estimator)(logprobs, t["ref"])
-            if algo.loss_aggregation == "seq_mean_token_sum_norm":
-                responses = float((t["mask"].sum(-1) > 0).sum())
-                loss = (per_token * t["mask"]).sum() / (responses * cfg.rollout.max_new_tokens)
-            else:
-                loss = (per_token * t["mask"]).sum() / t["mask"].sum()
-            optimizer.zero_grad()
-            loss.backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
-            optimizer.step()
-            losses.append(loss.item())
-    return losses, norms, {k: v.detach().numpy() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("overrides", [
     [],  # today's update: ppo_clip, one optimizer step per train step
     ["train.mini_batches=2"],
@@ -224,7 +161,7 @@ def test_train_step_equals_a_plain_torch_reference(tiny_model_path, overrides):
     count = len(samples["advantages"])
     partitions = [worker.mini_batches(count, epoch) for epoch in range(cfg.train.ppo_epochs)]
     result = worker.train_step(samples, tokens, sequences)
-    losses, norms, weights = _reference_updates(tiny_model_path, samples, cfg, partitions)
+    losses, norms, weights = reference_updates(tiny_model_path, samples, cfg, partitions)
 
     assert result["optimizer_steps"] == len(losses) == cfg.train.ppo_epochs * cfg.train.mini_batches
     assert worker.version == 1  # one policy version per train step, however many optimizer steps

@@ -1,0 +1,87 @@
+"""LoRA on a policy rank (`train.lora`): low-rank adapters injected into the model before DeepSpeed wraps it,
+so that only the adapters train and the optimizer holds state for them alone.
+
+The adapters are peft's (`inject_adapter_in_model`, its public low-level API): the model stays the
+transformers model it was (its config, its LM head, `gradient_checkpointing_enable` and `save_pretrained`
+work as before) with each targeted linear layer replaced by peft's LoRA layer around the original one.
+
+What the engines serve is the trained policy, W + (alpha / r) B A, written out in the base model's own
+names by the weight walk (operators/weights/lora_merge.py): every engine, the HF one and vLLM, and every
+export load it as they load full weights. Plumbing only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
+INSTALL = "pip install 'streamrl[lora]' (peft==0.21.2)"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What `train.lora` asks for: the rank `r`, the scale `alpha` (the update is alpha / r x B A), the dropout
+    on the adapters' input, and the linear layers that get an adapter: names matched against the end of each
+    module's dotted name (q_proj matches model.layers.0.self_attn.q_proj), or "all-linear"."""
+
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = ALL_LINEAR
+
+
+def peft_missing() -> str | None:
+    """None when peft imports, else what to install."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return f"LoRA needs the peft package, which is not installed; install it with {INSTALL}"
+    return None
+
+
+def add_adapters(torch, model, lora: LoraSettings, seed: int):
+    """Inject LoRA adapters into `model` in place (only they require gradients afterwards) and return it.
+    Seeded here, right before the adapters are made, so that every rank, every ZeRO stage and a plain loop
+    start from the same adapter weights whatever building the model drew from the generator."""
+    missing = peft_missing()
+    if missing:
+        raise ImportError(f"train.lora: {missing}")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                        bias="none")
+    torch.manual_seed(seed)
+    try:
+        return inject_adapter_in_model(config, model)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"train.lora.target_modules: {err}") from err
+
+
+def linear_layer_names(model_folder: str, trust_remote_code: bool = False) -> list[str]:
+    """The dotted names of the model's linear layers other than its output head, read from its config with
+    the model built on the meta device (no weights are read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head]
+
+
+def unmatched_targets(targets: tuple[str, ...] | str, layer_names: list[str]) -> list[str]:
+    """The entries of `targets` that name no layer of `layer_names` (peft's rule for a list: the whole name,
+    or its end after a dot)."""
+    if isinstance(targets, str):
+        return []  # "all-linear": whatever the model has
+    return [target for target in targets
+            if not any(name == target or name.endswith(f".{target}") for name in layer_names)]
+
+
+def layer_kinds(layer_names: list[str]) -> list[str]:
+    """The distinct last parts of the layers' names, in model order (q_proj, k_proj, ...): what a user puts in
+    target_modules."""
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in layer_names))

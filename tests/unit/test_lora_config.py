@@ -1,0 +1,56 @@
+"""train.lora's checks, before any actor starts: its fields, target modules the model does not have (named with
+the ones it has), peft missing (with the install command); and what the ranks are told: the policy's settings
+carry the adapters, the critic's never do."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pipelines.config.base import ConfigError
+from pipelines.config.load import load_config
+
+
+def problems(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, list(overrides))
+    return dict(err.value.problems)
+
+
+def test_each_bad_field_is_named_with_the_fix():
+    found = problems("train.lora={r: 0, alpha: -1, dropout: 1.0, target_modules: []}")
+    assert set(found) == {"train.lora.r", "train.lora.alpha", "train.lora.dropout", "train.lora.target_modules"}
+    assert "q_proj" in found["train.lora.target_modules"]
+    found = problems("train.lora={target_modules: qkv}")
+    assert "all-linear" in found["train.lora.target_modules"] and "[qkv]" in found["train.lora.target_modules"]
+    assert "train.lora.rank" in problems("train.lora={rank: 8}")  # an unknown key is refused, not ignored
+
+
+def test_target_modules_the_model_lacks_are_named_with_those_it_has(tiny_model_path):
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    message = problems(f"model.path={tiny_model_path}", "train.lora={target_modules: [q_proj, wq, c_attn]}")[
+        "train.lora.target_modules"]
+    assert "['wq', 'c_attn']" in message and "'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj'" in message
+    cfg = load_config(None, [f"model.path={tiny_model_path}", "train.lora={target_modules: [q_proj, down_proj]}"])
+    assert cfg.train.lora.target_modules == ["q_proj", "down_proj"]
+
+
+def test_peft_missing_is_named_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    message = problems("train.lora={}")["train.lora"]
+    assert "peft" in message and "pip install 'streamrl[lora]'" in message
+    load_config(None, [])  # without train.lora nothing asks for peft
+
+
+def test_the_policy_ranks_get_the_adapters_and_the_critic_does_not():
+    from operators.workers.lora import LoraSettings
+    from pipelines.runtime.trainer_settings import critic_settings, trainer_settings
+
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    cfg = load_config(None, ["train.lora={r: 8, alpha: 16, target_modules: [q_proj, v_proj]}", "critic={}",
+                             "algorithm.advantage=gae"])
+    assert trainer_settings(cfg, "model").lora == LoraSettings(r=8, alpha=16.0, dropout=0.0,
+                                                               target_modules=("q_proj", "v_proj"))
+    assert critic_settings(cfg, "model").lora is None  # the critic trains every weight of its own model
+    assert trainer_settings(load_config(None, []), "model").lora is None
