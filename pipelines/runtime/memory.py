@@ -70,6 +70,17 @@ def parameter_count(shape: dict) -> int:
     return layers * per_layer + embeddings + h
 
 
+def lora_parameter_count(shape: dict, r: int, targets) -> int:
+    """LoRA weights of rank `r` on a Llama-shaped decoder: r x (in + out) for each targeted projection of each
+    layer (`targets`: "all-linear", or names; a name that is not one of the seven projections counted h x h)."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    sizes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    chosen = list(sizes.values()) if isinstance(targets, str) else [sizes.get(name, (h, h)) for name in targets]
+    return shape["num_hidden_layers"] * r * sum(inputs + outputs for inputs, outputs in chosen)
+
+
 def layer_activation_bytes(shape: dict, width: int, sequence_length: int) -> int:
     """Bytes one decoder layer keeps for backward per token at a training width of `width` bytes, in rows
     padded to `sequence_length` tokens (LAYER_ACTIVATION_BYTES, and a row of the padding mask)."""
@@ -78,10 +89,13 @@ def layer_activation_bytes(shape: dict, width: int, sequence_length: int) -> int
 
 
 def trainer_rank_gib(shape: dict, *, world_size: int, zero_stage: int, bf16: bool, micro_batch_tokens: int,
-                     sequence_length: int, logits_chunk_tokens: int, gradient_checkpointing: bool) -> dict[str, float]:
+                     sequence_length: int, logits_chunk_tokens: int, gradient_checkpointing: bool,
+                     trained: int | None = None) -> dict[str, float]:
     """GiB per rank by component (see the module docstring); `micro_batch_tokens`: the largest
-    micro-batch's padded tokens, in rows of `sequence_length`."""
+    micro-batch's padded tokens, in rows of `sequence_length`. `trained`: the weights that train when not all
+    do (LoRA adapters: only they have gradients and optimizer state, and the output head is frozen)."""
     params = parameter_count(shape)
+    learned = params if trained is None else trained
     h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     width = 2 if bf16 else 4
     tokens = micro_batch_tokens
@@ -90,11 +104,11 @@ def trainer_rank_gib(shape: dict, *, world_size: int, zero_stage: int, bf16: boo
     chunk = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens
     return {
         "weights": width * params / (world_size if zero_stage == 3 else 1) / GIB,
-        "gradients": width * params / (world_size if zero_stage >= 2 else 1) / GIB,
-        "optimizer": (12 if bf16 else 8) * params / (world_size if zero_stage >= 1 else 1) / GIB,
+        "gradients": width * learned / (world_size if zero_stage >= 2 else 1) / GIB,
+        "optimizer": (12 if bf16 else 8) * learned / (world_size if zero_stage >= 1 else 1) / GIB,
         "activations": activations / GIB,
         "logits": chunk * vocab * 4 * 4 / GIB,
-        "head_gradient": 2 * vocab * h * width / GIB,
+        "head_gradient": (2 * vocab * h * width if trained is None else 0) / GIB,
     }
 
 
@@ -117,6 +131,7 @@ def trainer_memory_problem(cfg, model_path: str) -> str | None:
         shape, world_size=train.world_size, zero_stage=train.zero_stage, bf16=train.dtype == "bf16",
         micro_batch_tokens=tokens, sequence_length=longest, logits_chunk_tokens=train.logits_chunk_tokens,
         gradient_checkpointing=train.gradient_checkpointing,
+        trained=None if train.lora is None else lora_parameter_count(shape, train.lora.r, train.lora.target_modules),
     )
     gpu_gib = min(g.gpu_memory_gb for g in groups)
     budget = 0.9 * gpu_gib * train.num_gpus

@@ -67,6 +67,25 @@ def test_parameter_count_of_the_named_models():
     assert model_shape(str(GPU_DIR)) is None  # no config.json: no estimate, no refusal
 
 
+def test_lora_adapters_train_alone_in_the_memory_estimate():
+    """train.lora: gradients and optimizer state for the adapters only. Rank 32 on every linear layer of
+    Qwen2.5-7B is 80.7M weights, 161 MB in bf16."""
+    from pipelines.runtime.memory import lora_parameter_count, parameter_count, trainer_rank_gib
+
+    shape = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    adapters = lora_parameter_count(shape, 32, "all-linear")
+    assert adapters == 80_740_352 and round(2 * adapters / 1e6) == 161
+    assert lora_parameter_count(shape, 32, ["q_proj", "v_proj"]) == 28 * 32 * (7168 + 4096)
+    common = dict(world_size=8, zero_stage=3, bf16=True, micro_batch_tokens=16384, sequence_length=4096,
+                  logits_chunk_tokens=2048, gradient_checkpointing=True)
+    full, lora = trainer_rank_gib(shape, **common), trainer_rank_gib(shape, **common, trained=adapters)
+    assert lora["optimizer"] == pytest.approx(full["optimizer"] * adapters / parameter_count(shape))
+    assert lora["gradients"] == pytest.approx(full["gradients"] * adapters / parameter_count(shape))
+    assert lora["weights"] == full["weights"] and lora["activations"] == full["activations"]
+    assert lora["head_gradient"] == 0 < full["head_gradient"]
+
+
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
 def test_gpu_config_trainer_memory_fits_and_one_batch_per_step_does_not(name, stand_in_folders):
     """The memory estimate can fail: the same config with the whole rank's step in one micro-batch (the
