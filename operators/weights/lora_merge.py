@@ -16,15 +16,6 @@ from operators.weights.buckets import gathering, module_entries
 ADAPTER = "default"  # peft's name for the one adapter a rank trains
 
 
-def is_adapted(module) -> bool:
-    """Whether `module` holds peft LoRA layers (then its weights go through `merged_weights`)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return False
-    return any(isinstance(sub, LoraLayer) for sub in module.modules())
-
-
 def merged_weights(module, gathered=None) -> Iterator[tuple[str, Any]]:
     """Every entry of the base model's state dict (tied weights under each name), the adapted layers' weights
     merged. `gathered(params)`: deepspeed.zero.GatheredParameters under ZeRO-3, None otherwise."""

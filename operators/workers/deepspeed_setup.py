@@ -80,7 +80,8 @@ def build_engine(torch, deepspeed, model, settings: TrainerSettings, config: dic
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas,
+        weight_decay=settings.weight_decay,
     )
     schedule = settings.lr_schedule
     # Stepped by DeepSpeed after each optimizer step; saved and restored with the engine's checkpoint.
