@@ -216,7 +216,9 @@ def report(run: Run):
             echo(f"streamrl: {len(loads)} weight updates in flight: pause {summary['job_weight_pause_s_median'] * 1e3:.0f} ms "
                  f"median ({summary['job_weight_pause_s_max'] * 1e3:.0f} ms max); pull + prepare "
                  f"{summary['job_weight_pull_prepare_s_median'] * 1e3:.0f} ms median while decoding went on; "
-                 f"{summary['job_weight_updates_verified']} verified by checksums")
+                 f"{summary['job_weight_updates_verified']} verified by checksums, "
+                 f"{summary['job_weight_updates_probed']} by the served-policy probe"
+                 + (f" (largest gap {summary['job_probe_gap_max']:.1e} per token)" if 'job_probe_gap_max' in summary else ""))
     final = run.run_dir.latest_valid(echo, hashes=False)
     if cfg.tracking.log_model:
         log_final_policy(run.tracker, final, cfg, echo)
@@ -231,11 +233,15 @@ def weight_update_summary(loads: list[dict]) -> dict[str, float]:
 
     pause = np.array([load["pause_s"] for load in loads])
     overlapped = np.array([load["pull_s"] + load["prepare_s"] for load in loads])
+    gaps = [float(load["probe_gap"]) for load in loads if load.get("probe_gap") is not None]
     return {"job_weight_updates": len(loads), "job_weight_pause_s_median": float(np.median(pause)),
             "job_weight_pause_s_max": float(pause.max()), "job_weight_pause_s_total": float(pause.sum()),
             "job_weight_pull_prepare_s_median": float(np.median(overlapped)),
             # the weight plane: updates whose checksums the engine compared with the trainer's (all matched:
             # a mismatch ends the attempt), and the tensors compared
             "job_weight_updates_verified": int(sum(bool(load.get("verified")) for load in loads)),
-            "job_weight_tensors_checked": int(sum(int(load.get("checked", 0)) for load in loads))}
+            "job_weight_tensors_checked": int(sum(int(load.get("checked", 0)) for load in loads)),
+            # the served-policy probe (operators/weights/probe.py): updates whose engine scored it (all within the
+            # tolerance: a gap beyond ends the attempt), and the largest mean gap per token
+            "job_weight_updates_probed": len(gaps), **({"job_probe_gap_max": max(gaps)} if gaps else {})}
 

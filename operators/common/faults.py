@@ -12,6 +12,12 @@ default: all), it writes `<dir>/<name>.json` ({"pid", "name", "time", ...details
 state. Each point fires once per directory: a restarted process passes it without holding.
 
     rollout_paused   operators/engines/rollout.py: the engine is paused for a weight update with requests in flight
+
+Behaviour faults do not hold: the first process to reach one writes its file and misbehaves once.
+
+    engine_ignores_update   operators/engines/rollout.py: the engine skips applying a version and goes on with
+                            the weights it had, while the loop records the new version (what the served-policy
+                            probe, operators/weights/probe.py, must catch)
 """
 
 from __future__ import annotations
@@ -38,13 +44,18 @@ class FaultPoints:
 
     def reach(self, name: str, **details) -> None:
         """Point `name` is reached: hold here once per folder if it is armed."""
+        if self.fires(name, **details):
+            time.sleep(self.hold_s)
+
+    def fires(self, name: str, **details) -> bool:
+        """Point `name` is reached: True the first time in this folder if it is armed (its file written)."""
         if not self.folder or (self.points and name not in self.points):
-            return
+            return False
         path = os.path.join(self.folder, f"{name}.json")
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # once per directory
         except FileExistsError:
-            return
+            return False
         with os.fdopen(fd, "w") as out:
             json.dump({"pid": os.getpid(), "name": name, "time": time.time(), **details}, out)
-        time.sleep(self.hold_s)
+        return True

@@ -84,6 +84,11 @@ class HFEngine:
         return next_token_logprobs(self.model, sequences, attention, params.temperature or 1.0,
                                    self.logits_chunk_tokens, position_ids=positions, start=width - 1)
 
+    def score(self, token_ids: list[int], request_id: str = "") -> list[float]:
+        """log_softmax(logits) of each token after the first (the served-policy probe, operators/weights/probe.py)."""
+        ids = torch.tensor([token_ids], device=self.device)
+        return [float(x) for x in next_token_logprobs(self.model, ids, torch.ones_like(ids), 1.0, 0)[0].cpu()]
+
     def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
         # views of the buckets (read-only object-store buffers): load_state_dict copies and casts them
         self.model.load_state_dict(as_weight_set(state_dict).state_dict(), strict=True)

@@ -53,6 +53,7 @@ from operators.engines.rollout_records import GroupResult, UpdateRecord
 from operators.common.faults import FaultPoints
 from operators.weights.plane import Incoming
 from operators.weights.planes import receiver_for
+from operators.weights.probe import check_served
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,9 @@ class RolloutLoop:
             if slots.in_flight:  # tests and chaos runs: die here, with requests frozen in the engine
                 self.faults.reach("rollout_paused", version=version, in_flight=slots.in_flight)
             paused = time.perf_counter()
-            applied = await apply()
+            # a test's fault: the engine keeps its weights while the loop records the version (the probe's case)
+            ignored = self.faults.fires("engine_ignores_update", version=version)
+            applied = None if ignored else await apply()
             loaded = time.perf_counter()
             if applied:  # the gloo plane: the version the engine confirmed (a newer one may have arrived)
                 version = applied["version"]
@@ -263,6 +266,7 @@ class RolloutLoop:
                 if incoming is None:  # short polls: no call stays pending when the actor is asked to exit
                     continue
                 record = await self._load(incoming)
+                record.probe_gap = await self._check_probe(record.version)
                 self.store.record_load(self.name, dict(vars(record)))  # no reply awaited
         except asyncio.CancelledError:
             raise
@@ -270,6 +274,20 @@ class RolloutLoop:
             self._failure = err
             self.slots.set_version(self.version)  # wake waiters so they see it
             logger.exception("rollout weight watcher failed")
+
+
+    async def _check_probe(self, version: int) -> float | None:
+        """The served-policy probe (operators/weights/probe.py) of the version just applied, when the trainer
+        measured one: the engine scores it while decoding goes on (no other version loads meanwhile: this runs
+        in the watcher); raises ServedPolicyMismatch beyond the tolerance. None: not due, or an engine that
+        cannot score (no `score` method)."""
+        score = getattr(self.engine, "score", None)
+        if score is None:
+            return None
+        record = await self.store.probe_of_async(version)
+        if record is None:
+            return None
+        return check_served(record, await score(list(record.token_ids), f"probe-{self.name}-v{version}"), self.name)
 
 
 def wait_all(futures: list[concurrent.futures.Future]) -> list[GroupResult]:

@@ -59,3 +59,4 @@ class UpdateRecord:
     episode_wait_s: float = 0.0
     verified: bool = False  # the weight plane: checksums compared with the trainer's on this update
     checked: int = 0  # tensors whose checksums were compared (received and applied)
+    probe_gap: float | None = None  # the served-policy probe's mean gap from the trainer's (None: not probed)

@@ -105,6 +105,20 @@ class AsyncVLLMEngine(VLLMBase):
         async for delta in self._one(prompt, sampling, request_id, sample=None):
             yield delta
 
+    async def score(self, token_ids: list[int], request_id: str) -> list[float]:
+        """log_softmax(logits) of each token of `token_ids` after the first, under the weights loaded now (vLLM's
+        prompt log-probs; the served-policy probe, operators/weights/probe.py). A cache salt of its own: no KV
+        block is shared with another request."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        prompt = {"prompt_token_ids": [int(t) for t in token_ids], "cache_salt": request_id}
+        sampling = VLLMSamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
+        final = None
+        async for output in self.engine.generate(self._engine_input(prompt), sampling, request_id):
+            final = output
+        scored = (final.prompt_logprobs or [])[1:] if final is not None else []
+        return [float(position[int(token)].logprob) for position, token in zip(scored, token_ids[1:])]
+
     def _engine_input(self, prompt: dict):
         """The prompt as vLLM's renderer makes it, as InputProcessor would: a raw prompt given to generate takes
         a deprecated path that warns on every engine."""

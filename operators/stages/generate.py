@@ -55,6 +55,7 @@ import pandas as pd
 
 from operators.engines.base import SamplingParams
 from operators.engines.factory import make_engine, make_in_flight_engine
+from operators.weights.probe import check_served
 from operators.common.faults import FaultPoints
 from operators.common.plain import plain
 from operators.common.prompts import PromptFormat, PromptRenderer, is_messages
@@ -181,8 +182,17 @@ class Generate:
             self.rollout.load_policy(version, state_dict)
         else:
             self.engine.load_weights(state_dict)
+            self._check_probe(version)
         self.policy_version = version
         self.weight_sync_seconds += time.perf_counter() - start
+
+    def _check_probe(self, version: int) -> None:
+        """The served-policy probe of a version a call-synchronous engine loaded from the store (the in-flight
+        loop checks its own: operators/engines/rollout.py); raises ServedPolicyMismatch beyond the tolerance."""
+        score = getattr(self.engine, "score", None)
+        record = self.store.probe_of(version) if self.store is not None and score is not None else None
+        if record is not None:
+            check_served(record, score(list(record.token_ids), f"probe-v{version}"), self.generator_id)
 
     # --- in flight ---------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from operators.workers.engine_steps import NonFiniteError
 
 if TYPE_CHECKING:
     from operators.weights.plane import WeightSender
+    from operators.weights.probe import ServedProbe
 
 
 class Publisher:
@@ -27,14 +28,16 @@ class Publisher:
 
     def __init__(self, store, weights: Callable[[], Iterable[tuple[str, Any]]], *, joins: bool,
                  bucket_mb: float, transfer: str, timeout_s: float, verify_every: int,
-                 role: str, section: str, pin_memory: bool):
+                 role: str, section: str, pin_memory: bool, probe: ServedProbe | None = None):
         """`store`: the policy store's client (a PolicyStoreClient) on the rank that sends (rank 0), None on
         the others. `weights()`: walks the module's (name, tensor) pairs (under ZeRO-3 a collective). `joins`:
         whether this rank takes part in a publish (rank 0 with a store; every rank under ZeRO-3); a rank that
         does not publishes nothing. `bucket_mb`: the buckets' size; `transfer`: the plane (planes.sender_for:
         "gloo" for the weight plane, operators/weights/gloo_plane.py, or "object_store"); `timeout_s` and
         `verify_every`: the weight plane's longest wait and how often it checksums. `role` and `section` name
-        the trainer and its config section in messages. `pin_memory`: page-locked bucket buffers (a GPU rank)."""
+        the trainer and its config section in messages. `pin_memory`: page-locked bucket buffers (a GPU rank).
+        `probe`: the served-policy probe (operators/weights/probe.py), scored before each version it is due on
+        is published; None: no probe (the critic, rollout.probe_every 0)."""
         self.store, self.weights, self.joins = store, weights, joins
         self.bucket_mb, self.transfer = bucket_mb, transfer
         self.timeout_s, self.verify_every = timeout_s, verify_every
@@ -44,6 +47,7 @@ class Publisher:
         # 0.30 s, into reused pageable ones 0.99 s (benchmarks/gpu_smoke.py, results/gpu_smoke.json). The
         # price: rank 0 keeps about two versions of the weights page-locked, 2 x 14.2 GiB at 7B.
         self.pin_memory = pin_memory
+        self.probe = probe
         self.buffers: BucketBuffers | None = None  # made on the first pack
         self.sender: WeightSender | None = None  # rank 0's sender for the plane, made on the first publish
         self.last_publish: dict = {}  # the last publish's bytes, buckets, dtype (and waited_s on the weight plane)
@@ -66,6 +70,8 @@ class Publisher:
         if not self.joins:
             return 0.0
         start = time.perf_counter()
+        # every joining rank in the same order: under ZeRO-3 the probe's forward is a collective too
+        probe = self.probe.measure(version) if self.probe is not None else None
         if self.store is None:  # a ZeRO-3 rank other than 0: take part in the gathers, send nothing
             for _ in self.weights():
                 pass
@@ -78,6 +84,8 @@ class Publisher:
                 f"{' ...' if len(bad) > 3 else ''}); it was not published. Resume from the last checkpoint "
                 f"with a lower {self.section}.lr or {self.section}.grad_clip"
             )
+        if probe is not None:  # in the store before the version is: an engine that applied it finds it there
+            self.store.set_probe(version, probe, timeout_s=self.timeout_s)
         nbytes = sum(bucket.nbytes for bucket in buckets)
         self.last_publish = {"bytes": nbytes, "buckets": len(buckets), "dtype": buckets[0].dtype if buckets else ""}
         if self.sender is None:

@@ -15,6 +15,8 @@ remote methods by name. What the store keeps:
   pushes each version to them and records each delivery (`delivered`), and an engine's rollout loop
   waits for its own (`wait_delivered`). No weights pass through the store there.
 * **The load log**: what each in-flight generator reports per update (operators/engines/rollout.py).
+* **The served-policy probes**: the trainer's log-probs of a fixed sequence per version (operators/weights/
+  probe.py), put before the version is published; each engine compares its own once it applied the version.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from typing import Any
 import ray
 
 from operators.weights.plane import WeightTransferError
+
+
+# Probes kept: an engine reads its version's probe right after applying it, and versions are at most
+# max_staleness + 1 behind the newest; more than enough.
+PROBES_KEPT = 32
 
 
 @ray.remote(num_cpus=0)
@@ -45,6 +52,7 @@ class PolicyStore:
         self.deliveries: dict[str, int] = {}  # engine id -> newest version its receivers hold
         self.delivered_changed = asyncio.Condition()
         self.plane_failure: str | None = None  # the sender's failure: every engine waiting for a version hears it
+        self.probes: dict[int, object] = {}  # version -> the trainer's ProbeRecord (the latest PROBES_KEPT)
 
     async def publish(self, version: int, weights_ref_box: list) -> None:
         """`weights_ref_box` is `[ref or None]`: boxed so Ray passes the reference, not its value."""
@@ -117,6 +125,14 @@ class PolicyStore:
             if version == self.version:
                 return [self.weights_ref]
         raise KeyError(f"policy version {version} was replaced by {self.version} and not retained")
+
+    async def set_probe(self, version: int, record) -> None:
+        self.probes[version] = record
+        for old in sorted(self.probes)[:-PROBES_KEPT]:
+            del self.probes[old]
+
+    async def probe_of(self, version: int):
+        return self.probes.get(version)
 
     async def record_load(self, generator_id: str, record: dict) -> None:
         self.loads.append({"generator_id": generator_id, **record})
@@ -228,6 +244,20 @@ class PolicyStoreClient:
         """The sender failed (an engine died mid-transfer, a wait timed out): the engines' waits raise it, so
         the attempt ends at once instead of every engine waiting for a version that will not come."""
         ray.get(self.handle.fail_plane.remote(message), timeout=timeout_s)
+
+    # --- the served-policy probes (operators/weights/probe.py) ------------------------------------------
+
+    def set_probe(self, version: int, record, timeout_s: float | None = None) -> None:
+        """The trainer's probe record for `version`; waited for, so it is there before the version is published."""
+        ray.get(self.handle.set_probe.remote(version, record), timeout=timeout_s)
+
+    def probe_of(self, version: int, timeout_s: float | None = None):
+        """The trainer's ProbeRecord for `version`, or None (the probe was not due on it)."""
+        return ray.get(self.handle.probe_of.remote(version), timeout=timeout_s)
+
+    async def probe_of_async(self, version: int):
+        """The trainer's ProbeRecord for `version`, or None (the probe was not due on it)."""
+        return await self.handle.probe_of.remote(version)
 
     # --- the load log ----------------------------------------------------------------------------------
 

@@ -67,6 +67,8 @@ class TrainerSettings:
     weight_transfer: str = "object_store"  # "gloo": the weight plane (operators/weights/gloo_plane.py); rank 0 sends
     weight_timeout_s: float = 300.0  # the weight plane's longest wait
     verify_weights_every: int = 50  # the weight plane: checksums on the first update and every n-th
+    probe_every: int = 1  # the served-policy probe (operators/weights/probe.py) on every n-th version (0: never)
+    probe_tolerance: float = 1e-3  # the probe's largest mean gap per token (trainer_settings resolves the default)
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
     zero3_persistence_threshold: int | None = None  # DeepSpeed's default (1e5 elements) when None
     nan_policy: str = "skip"  # a non-finite loss: "skip" the step (weights unchanged) or "stop" the job

@@ -33,16 +33,11 @@ from operators.common.devices import local_device
 from operators.algorithms.logprobs import chunkable_head, chunked_logprobs
 from operators.weights.buckets import named_weights
 from operators.weights.lora_merge import merged_weights
+from operators.weights.probe import served_probe
 from operators.weights.publisher import Publisher
 from operators.workers.checkpointer import Checkpointer
-from operators.workers.deepspeed_setup import (
-    build_engine,
-    deepspeed_config,
-    host_memory_release,
-    rendezvous_env,
-    start_deepspeed,
-    zero3_init,
-)
+from operators.workers.deepspeed_setup import (build_engine, deepspeed_config, host_memory_release, rendezvous_env,
+                                               start_deepspeed, zero3_init)
 from operators.workers.engine_steps import gathered_head, max_over_ranks, optimizer_steps
 from operators.workers.lora import add_adapters
 from operators.workers.settings import TrainerSettings
@@ -100,7 +95,8 @@ class TrainWorker:
             joins=policy_store is not None and (rank == 0 or settings.zero_stage == 3),
             bucket_mb=settings.weight_bucket_mb, transfer=settings.weight_transfer,
             timeout_s=settings.weight_timeout_s, verify_every=settings.verify_weights_every,
-            role=self.ROLE, section=self.SECTION, pin_memory=self.device.type == "cuda")
+            role=self.ROLE, section=self.SECTION, pin_memory=self.device.type == "cuda",
+            probe=served_probe(torch, self.engine.module, self.device, settings) if self.ROLE == "policy" else None)
         self.checkpointer = Checkpointer(
             self.engine, torch, rank, self._named_weights, partitioned=settings.zero_stage == 3,
             model_path=settings.model_path, trust_remote_code=settings.trust_remote_code, adapters_only=bool(settings.lora))

@@ -150,6 +150,19 @@ class RolloutConfig(Section):
         "first update and every this many updates after it (0: the first only). A mismatch ends the attempt. "
         "Costs a sha256 over the weights on both sides (about 1 s per GB on one CPU core)."
     )
+    probe_every: int = Field(
+        1, ge=0, description="The served-policy probe (operators/weights/probe.py): on every this many policy "
+        "versions (0: never), the trainer scores a fixed token sequence before it publishes the version, and each "
+        "engine scores it again once it has applied the version; a gap beyond probe_tolerance ends the attempt "
+        "with the version and the engine named. It proves what checksums cannot (vLLM repacks its linear "
+        "layers): that the engine samples from the trained policy, not from weights it failed to update (LoRA "
+        "runs elsewhere have silently sampled the base model). Costs one short forward on each side."
+    )
+    probe_tolerance: Optional[float] = Field(
+        None, gt=0, description="The probe's largest mean absolute gap per token between the engine's log-probs "
+        "and the trainer's. Default: 1e-3 when the trainer (train.dtype) and the engine (rollout.vllm.dtype) both "
+        "compute in float32, 0.05 otherwise."
+    )
     weight_timeout_s: float = Field(
         300, gt=0, description="The weight plane: the most any wait of a transfer may take (an engine's group "
         "joining, each bucket's broadcast, an engine applying a version); past it the attempt ends with a "

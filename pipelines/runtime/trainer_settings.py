@@ -14,6 +14,7 @@ import dataclasses
 
 from operators.algorithms.correction import CorrectionSettings
 from operators.algorithms.estimators import STEP_WHITENED, policy_token_budget
+from operators.weights.probe import probe_tolerance
 from operators.workers.lora import LoraSettings
 from operators.workers.settings import LrSchedule, TrainerSettings
 from pipelines.config.job import JobConfig
@@ -76,6 +77,9 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
             kind=cfg.train.lr_schedule, min_ratio=cfg.train.lr_min_ratio,
         ),
         lora=lora_settings(cfg),
+        # the HF engine computes in float32 (operators/engines/hf.py)
+        probe_tolerance=probe_tolerance(cfg.rollout.probe_tolerance, cfg.train.dtype,
+                                        cfg.rollout.vllm.dtype if cfg.rollout.engine == "vllm" else "float32"),
         correction=CorrectionSettings(
             tis=cfg.algorithm.tis, tis_cap=cfg.algorithm.tis_cap,
             mis=cfg.algorithm.mis, mis_low=cfg.algorithm.mis_low, mis_high=cfg.algorithm.mis_high,

