@@ -21,15 +21,19 @@ class Checkpointer:
     """Checkpoints, RNG states, full state dicts and the HF export of one trainer rank."""
 
     def __init__(self, engine, torch, rank: int, weights: Callable[[], Iterable[tuple[str, Any]]], *,
-                 partitioned: bool, model_path: str, trust_remote_code: bool, adapters_only: bool = False):
+                 partitioned: bool, model_path: str, trust_remote_code: bool,
+                 adapter: Callable[[str], str | None] | None = None):
         """`engine`: the rank's DeepSpeed engine; `torch`: the torch module (its RNG state is saved);
         `weights()`: walks the module's (name, tensor) pairs, gathering each module's parameters for the
         duration when `partitioned` (ZeRO-3: a collective, every rank must walk); `model_path` and
-        `trust_remote_code`: where the export takes its tokenizer from, and how it loads it. `adapters_only`: a
-        LoRA rank, whose checkpoints hold the adapters and their optimizer state, not the frozen base weights
-        (they are the model folder's, loaded again on resume)."""
+        `trust_remote_code`: where the export takes its tokenizer from, and how it loads it. `adapter`: a LoRA
+        rank's writer of its adapters into a folder (lora.save_adapter; every rank calls it under ZeRO-3): its
+        checkpoints hold the adapters and their optimizer state, not the frozen base weights (they are the
+        model folder's, loaded again on resume), and its export has the adapter folder beside the merged
+        policy."""
         self.engine, self.torch, self.rank, self.weights = engine, torch, rank, weights
-        self.adapters_only = adapters_only
+        self.adapter = adapter
+        self.adapters_only = adapter is not None
         self.partitioned = partitioned
         self.model_path, self.trust_remote_code = model_path, trust_remote_code
 
@@ -77,9 +81,12 @@ class Checkpointer:
 
     def save_pretrained(self, path: str, tokenizer: bool = False) -> str | None:
         """Write an HF checkpoint in the training dtype (the module's: its config's dtype says the same), rank 0
-        writes; every rank must call it under ZeRO-3. With the model folder's tokenizer when `tokenizer` (so
+        writes; every rank must call it under ZeRO-3. A LoRA rank's export is the merged policy, with peft's
+        adapter folder in path/adapter (lora.save_adapter). With the model folder's tokenizer when `tokenizer` (so
         the folder loads with from_pretrained / vLLM)."""
         state = self.full_state_dict()  # every rank under ZeRO-3 (collective); {} except on rank 0
+        if self.adapter is not None:  # LoRA: the adapters on their own too (a collective under ZeRO-3)
+            self.adapter(path)
         if self.rank != 0:
             return None
         self.engine.module.save_pretrained(path, state_dict=state)

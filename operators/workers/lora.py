@@ -7,15 +7,21 @@ work as before) with each targeted linear layer replaced by peft's LoRA layer ar
 
 What the engines serve is the trained policy, W + (alpha / r) B A, written out in the base model's own
 names by the weight walk (operators/weights/lora_merge.py): every engine, the HF one and vLLM, and every
-export load it as they load full weights. Plumbing only.
+export load it as they load full weights. The adapters on their own are written beside a checkpoint's
+export as peft's adapter folder (`save_adapter`): `PeftModel.from_pretrained(base, folder)` loads them, and
+the MLflow adapter model is that folder. Plumbing only.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 INSTALL = "pip install 'streamrl[lora]' (peft==0.21.2)"
+ADAPTER_DIR = "adapter"  # in a LoRA checkpoint: the adapters alone, as peft saves them
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -85,3 +91,32 @@ def layer_kinds(layer_names: list[str]) -> list[str]:
     """The distinct last parts of the layers' names, in model order (q_proj, k_proj, ...): what a user puts in
     target_modules."""
     return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in layer_names))
+
+
+def peft_saved_name(name: str) -> str:
+    """A LoRA parameter's name in the module (model.layers.0.mlp.up_proj.lora_A.default.weight) as peft saves it
+    (base_model.model.model.layers.0.mlp.up_proj.lora_A.weight: the PeftModel's prefix, no adapter name)."""
+    return "base_model.model." + name.replace(".default.", ".")
+
+
+def save_adapter(module, gathered, base_model: str, rank: int, folder: str) -> str | None:
+    """Write `module`'s adapters as peft's adapter folder, folder/adapter: adapter_model.safetensors (the
+    adapters' weights in the module's dtype) and adapter_config.json (peft's config as injected, the target
+    layers resolved, `base_model_name_or_path` = `base_model`). Every rank calls it under ZeRO-3 (`gathered`:
+    DeepSpeed's GatheredParameters, a collective); rank 0 writes and returns the folder, the others None."""
+    from safetensors.torch import save_file
+
+    params = [(name, param) for name, param in module.named_parameters() if ".lora_" in name]
+    gather = gathered([param for _, param in params], modifier_rank=None) if gathered else contextlib.nullcontext()
+    with gather:
+        state = {peft_saved_name(name): param.detach().to("cpu", copy=True).contiguous()
+                 for name, param in params} if rank == 0 else {}
+    if rank != 0:
+        return None
+    out = Path(folder) / ADAPTER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = module.peft_config["default"]  # peft keeps the injected config on the model
+    config.base_model_name_or_path, config.inference_mode = base_model, True
+    config.save_pretrained(str(out))
+    return str(out)

@@ -39,7 +39,7 @@ from operators.workers.checkpointer import Checkpointer
 from operators.workers.deepspeed_setup import (build_engine, deepspeed_config, host_memory_release, rendezvous_env,
                                                start_deepspeed, zero3_init)
 from operators.workers.engine_steps import gathered_head, max_over_ranks, optimizer_steps
-from operators.workers.lora import add_adapters
+from operators.workers.lora import add_adapters, save_adapter
 from operators.workers.settings import TrainerSettings
 
 
@@ -99,7 +99,9 @@ class TrainWorker:
             probe=served_probe(torch, self.engine.module, self.device, settings) if self.ROLE == "policy" else None)
         self.checkpointer = Checkpointer(
             self.engine, torch, rank, self._named_weights, partitioned=settings.zero_stage == 3,
-            model_path=settings.model_path, trust_remote_code=settings.trust_remote_code, adapters_only=bool(settings.lora))
+            model_path=settings.model_path, trust_remote_code=settings.trust_remote_code,
+            adapter=functools.partial(save_adapter, self.engine.module, gathered, settings.model_path, rank)
+            if settings.lora else None)
         self.initialised_at = time.time()  # wall clock: when this rank was up (the job's start-up report)
 
     def _build_model(self, settings: TrainerSettings):

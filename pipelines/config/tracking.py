@@ -23,7 +23,13 @@ class TrackingConfig(Section):
         "checkpoint and dataset digests. Costs a second upload of the weights to the artifact store (the "
         "checkpoint's artifacts hold one) and, while MLflow packages it, a temporary local copy of them: turn "
         "it off for large models on a small or slow artifact store. Delivered like every record (an outage "
-        "delays it); a failure never fails the job."
+        "delays it); a failure never fails the job. With train.lora the model logged is the adapter on its own "
+        "(peft's adapter folder and the tokenizer, a few MB; its params name the base model: "
+        "PeftModel.from_pretrained(base, folder) loads it); log_merged_model logs the merged policy as well."
+    )
+    log_merged_model: bool = Field(
+        False, description="With train.lora and log_model: also log the policy with the adapters merged into the "
+        "base model, as the transformers-flavour model a full fine-tuning run logs (the whole model's bytes)."
     )
     run_name: Optional[str] = Field(None, description="MLflow run name; default is MLflow's.")
     flush_timeout_s: float = Field(

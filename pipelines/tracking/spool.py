@@ -180,10 +180,15 @@ class Delivery:
             self.say(f"streamrl: {op['path']} no longer exists; its MLflow model is not logged")
             return
         mlflow.set_tracking_uri(self.tracking_uri)  # MLflow's model logging uses the process's URI
-        model = policy_model.deliver(self.client, self.run_id, op)
-        self.client.log_batch(self.run_id, tags=[
-            RunTag("model.latest_id", model.model_id), RunTag("model.latest_uri", model.model_uri),
-            RunTag("model.latest_step", str(op["step"])),
-        ])
-        self.say(f"streamrl: policy of step {op['step']} logged as MLflow model {model.model_uri} "
-                 f"(mlflow.transformers.load_model loads it)")
+        models = policy_model.deliver(self.client, self.run_id, op)
+        model, adapter = models["policy"], models["adapter"]
+        tags = [RunTag("model.latest_step", str(op["step"]))]
+        if model is not None:
+            tags += [RunTag("model.latest_id", model.model_id), RunTag("model.latest_uri", model.model_uri)]
+            self.say(f"streamrl: policy of step {op['step']} logged as MLflow model {model.model_uri} "
+                     f"(mlflow.transformers.load_model loads it)")
+        if adapter is not None:
+            tags += [RunTag("model.adapter_id", adapter.model_id), RunTag("model.adapter_uri", adapter.model_uri)]
+            self.say(f"streamrl: LoRA adapter of step {op['step']} logged as MLflow model {adapter.model_uri} "
+                     f"(peft's PeftModel.from_pretrained loads it on the base model, streamrl.base_model)")
+        self.client.log_batch(self.run_id, tags=tags)

@@ -132,7 +132,7 @@ def test_an_outage_delays_the_model_and_it_is_logged_once(server, trained_checkp
     (op,) = [json.loads(line) for line in tracker.spool_path.read_text().splitlines()
              if json.loads(line)["op"] == "model"]
     # Delivered again (a crash between the upload and the spool's counter): the same model, not a second.
-    again = deliver(client, tracker.run_id, op)
+    again = deliver(client, tracker.run_id, op)["policy"]
     models = client.search_logged_models([experiment_id], filter_string=f"tags.`{RECORD_TAG}` = '{op['record']}'")
     assert [m.model_id for m in models] == [again.model_id] and again.status.name == "READY"
     assert client.get_run(tracker.run_id).data.tags["model.latest_id"] == again.model_id
@@ -152,3 +152,71 @@ def test_a_checkpoint_without_an_export_is_not_logged_and_says_why(server, tmp_p
 def client_outputs(server, run_id: str) -> list:
     outputs = MlflowClient(server.uri).get_run(run_id).outputs
     return list(outputs.model_outputs) if outputs else []
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(worker_factory, tiny_model_path, tmp_path_factory) -> Checkpoint:  # noqa: F811
+    """A LoRA job's last checkpoint after one real train step (adapters on every linear layer)."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    worker = worker_factory(**{"train.lora": "{r: 4, alpha: 8}", "train.lr": 0.05})
+    samples = explode(step_samples(tiny_model_path))
+    worker.train_step(samples, sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"]))
+    store = CheckpointDir(tmp_path_factory.mktemp("lora-job") / "checkpoints" / "run")
+    tmp = store.begin(1)
+    worker.save_checkpoint(str(tmp))
+    worker.save_pretrained(str(tmp), tokenizer=True)
+    store.commit(tmp, 1, {"policy_version": 1, "model_path": tiny_model_path, "dataset_digest": "d1"},
+                 ledger_for(range(1)))
+    return store.at_step(1)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["adapter", "adapter-and-merged"])
+def test_a_lora_policy_is_logged_as_its_adapter_which_loads_on_the_base_model(server, lora_checkpoint,
+                                                                               tiny_model_path, tmp_path, merged):
+    """train.lora: the model logged is peft's adapter folder (a few kB here) with the tokenizer, naming its
+    base model; peft loads it on the base model and it computes what the checkpoint's merged export computes.
+    tracking.log_merged_model logs the merged policy too. Delivered again, the same adapter model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lines: list[str] = []
+    tracker, cfg = tracker_for(server, tmp_path, lines)
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"log_merged_model": merged})})
+    log_final_policy(tracker, lora_checkpoint, cfg, lines.append)
+    tracker.close()
+    client = MlflowClient(server.uri)
+    run = client.get_run(tracker.run_id)
+    models = {client.get_logged_model(output.model_id).name: client.get_logged_model(output.model_id)
+              for output in run.outputs.model_outputs}
+    assert set(models) == ({"policy-adapter", "policy"} if merged else {"policy-adapter"}), models
+    adapter = models["policy-adapter"]
+    assert adapter.status.name == "READY" and adapter.source_run_id == run.info.run_id
+    assert adapter.params["streamrl.base_model"] == tiny_model_path and adapter.params["streamrl.step"] == "1"
+    assert run.data.tags["model.adapter_uri"] == adapter.model_uri
+    assert ("model.latest_uri" in run.data.tags) == merged
+    assert any("LoRA adapter of step 1 logged" in line for line in lines), lines
+
+    files = Path(mlflow.artifacts.download_artifacts(adapter.model_uri, dst_path=str(tmp_path / "adapter")))
+    names = {path.name for path in files.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
+    assert "model.safetensors" not in names  # not the base weights
+    config = json.loads((files / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == tiny_model_path
+    assert {name.rsplit(".", 1)[-1] for name in config["target_modules"]} >= {"q_proj", "down_proj"}  # resolved
+
+    tokenizer = AutoTokenizer.from_pretrained(files)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, files).eval()
+        after = adapted(ids).logits
+        merged_export = AutoModelForCausalLM.from_pretrained(lora_checkpoint.path, dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(after, merged_export, atol=1e-5, rtol=1e-5)
+    assert (after - before).abs().max() > 1e-3  # the adapter is a trained one, not peft's zero start
+
+    (op,) = [json.loads(line) for line in tracker.spool_path.read_text().splitlines()
+             if json.loads(line)["op"] == "model"]
+    again = deliver(client, tracker.run_id, op)["adapter"]
+    assert again.model_id == adapter.model_id
+    assert [o.model_id for o in client.get_run(tracker.run_id).outputs.model_outputs].count(adapter.model_id) == 1

@@ -6,6 +6,8 @@ same global gradient norm and loss: the token-level loss is normalised by the gl
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,9 @@ from samples import episode_rows, episode_samples, step_samples
 
 
 
-def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict], dict]:
+def one_step(cfg, model_path: str, samples: dict, name: str, export: Path | None = None) -> tuple[list[dict], dict]:
+    """One train step of the group: each rank's figures, and the weights version 1 published; the served-policy
+    probe's record in `results[0]["probe"]`; with `export`, the Hugging Face export written there by every rank."""
     import ray
 
     store = create_policy_store(name)
@@ -31,6 +35,9 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
         results = ray.get([w.train_step.remote(s, tokens, sequences) for w, s in zip(workers, shards)])
         version, ref = store.latest()
         assert version == 1
+        results[0]["probe"] = store.probe_of(1)  # put before the version was published
+        if export is not None:  # every rank: a collective under ZeRO-3
+            ray.get([w.save_pretrained.remote(str(export)) for w in workers])
         # what a generator receives: the manifest's buckets (under ZeRO-3 gathered module by module)
         return results, fetch(ref).float32_arrays()
     finally:
@@ -48,7 +55,7 @@ def one_step(cfg, model_path: str, samples: dict, name: str) -> tuple[list[dict]
     pytest.param("seq_mean_token_mean", True, None, marks=pytest.mark.extended),
     pytest.param("seq_mean_token_sum_norm", True, None, marks=pytest.mark.extended),
 ], ids=["token_mean", "token_mean-lora", "seq_mean_token_mean-episodes", "seq_mean_token_sum_norm-episodes"])
-def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation, episodes, lora):
+def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregation, episodes, lora, tmp_path):
     """The ranks' shards are balanced by tokens, so they hold different numbers of samples here: the
     losses still add up to the one-rank step, for a token-normalised, a sequence-averaged and Dr. GRPO's
     loss, the last two on multi-turn episodes (observation tokens, one episode with none of the policy's).
@@ -78,8 +85,12 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
     # gradient still reaches both shards.
     sharded = load_config(None, base + ["train.world_size=2", "train.zero_stage=3", "train.micro_batch_tokens=12",
                                         "train.zero3_persistence_threshold=0", "train.logits_chunk_tokens=2"])
-    results_1, weights_1 = one_step(single, tiny_model_path, samples, "trainer-test-1")
-    results_2, weights_2 = one_step(sharded, tiny_model_path, samples, "trainer-test-2")
+    results_1, weights_1 = one_step(single, tiny_model_path, samples, "trainer-test-1", tmp_path / "one")
+    results_2, weights_2 = one_step(sharded, tiny_model_path, samples, "trainer-test-2", tmp_path / "two")
+    # the served-policy probe: scored by both ZeRO-3 ranks together (a collective forward), as by one rank
+    probe_1, probe_2 = results_1[0]["probe"], results_2[0]["probe"]
+    assert probe_1.version == probe_2.version == 1 and probe_1.token_ids == probe_2.token_ids
+    np.testing.assert_allclose(probe_2.logprobs, probe_1.logprobs, atol=1e-4)
     assert len(results_2) == 2 and all(r["micro_batches"] > 1 for r in results_2)
     np.testing.assert_allclose(results_2[0]["grad_norm"], results_1[0]["grad_norm"], rtol=1e-4)
     loss_2 = np.mean([r["policy_loss"] for r in results_2])
@@ -97,6 +108,13 @@ def test_two_ranks_zero3_match_one_rank(ray_cluster, tiny_model_path, aggregatio
         assert weights_1.keys() >= pretrained.keys() and not any("lora" in name for name in weights_1)
         moved = [name for name in pretrained if np.abs(weights_1[name] - pretrained[name]).max() > 1e-4]
         assert moved and all(name.endswith("_proj.weight") for name in moved), moved
+        # the adapter folder beside the export (operators/workers/lora.py): gathered under ZeRO-3, the same
+        adapter_1, adapter_2 = (load_file(f"{tmp_path / side}/adapter/adapter_model.safetensors") for side in ("one", "two"))
+        assert adapter_1.keys() == adapter_2.keys() and all(".lora_" in name for name in adapter_1)
+        for name in adapter_1:
+            assert adapter_2[name].shape == adapter_1[name].shape and np.abs(adapter_2[name] - adapter_1[name]).mean() < 1e-5
+    else:
+        assert not (tmp_path / "one" / "adapter").exists()
 
 
 def test_micro_batches_give_the_same_step(tiny_model_path):
