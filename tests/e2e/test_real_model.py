@@ -103,6 +103,11 @@ def test_first_update_agrees_with_the_engine_and_the_policy_is_an_mlflow_model(j
     assert abs(rho[min(rho)] - 1.0) < 1e-3, rho
     p99 = {m.step: m.value for m in client.get_metric_history(run_id, "is_ratio_p99")}
     assert abs(p99[min(p99)] - 1.0) < 1e-2, p99
+    # the served-policy probe (operators/weights/probe.py) ran on the engine's update, within fp32's tolerance
+    probed = client.get_metric_history(run_id, "job_weight_updates_probed")
+    gap = client.get_metric_history(run_id, "job_probe_gap_max")
+    assert probed and probed[-1].value >= 1 and gap and gap[-1].value < 1e-3, (probed, gap)
+    print(f"real model: {probed[-1].value:.0f} update(s) probed, largest gap {gap[-1].value:.2e} per token")
     run = client.get_run(run_id)
     (output,) = run.outputs.model_outputs
     model = client.get_logged_model(output.model_id)
