@@ -149,7 +149,7 @@ def packing_check(trainer, samples: dict) -> dict:
     def logprobs(**changes) -> np.ndarray:
         trainer.settings = dataclasses.replace(base, **changes)
         try:
-            return trainer._proximal_logprobs(samples).values  # every response token, in sample order
+            return trainer._frozen_logprobs(samples).values  # every response token, in sample order
         finally:
             trainer.settings = base
 

@@ -185,7 +185,9 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
         out.append(Stage(Reward, reward, ActorPoolStrategy(size=cfg.reward.num_actors),
                          {"num_cpus": cfg.reward.num_cpus, **remote_args.get("reward", {})},
                          requires=("responses",), produces=REWARD_PRODUCES))
-    if cfg.reference is not None:  # the design's ref_logprob stage: log-probs of a frozen reference policy
+    # the design's ref_logprob stage: log-probs of a frozen reference policy (with train.lora, by default the
+    # policy ranks compute them instead, adapters off: reference.on_trainer)
+    if cfg.reference is not None and not cfg.reference_on_trainer():
         ref = cfg.reference
         out.append(Stage(
             RefLogprob,

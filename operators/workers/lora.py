@@ -120,3 +120,20 @@ def save_adapter(module, gathered, base_model: str, rank: int, folder: str) -> s
     config.base_model_name_or_path, config.inference_mode = base_model, True
     config.save_pretrained(str(out))
     return str(out)
+
+
+@contextlib.contextmanager
+def adapters_disabled(module):
+    """Within: `module` computes as its base model, every LoRA layer's adapter off (peft's public
+    `enable_adapters`, which also takes the adapters' requires_grad away and gives it back on leaving): the
+    reference model of a LoRA run without a second copy of the base weights."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from operators.workers.checkpointer import Checkpointer
 from operators.workers.deepspeed_setup import (build_engine, deepspeed_config, host_memory_release, rendezvous_env,
                                                start_deepspeed, zero3_init)
 from operators.workers.engine_steps import gathered_head, max_over_ranks, optimizer_steps
-from operators.workers.lora import add_adapters, save_adapter
+from operators.workers.lora import adapters_disabled, add_adapters, save_adapter
 from operators.workers.settings import TrainerSettings
 
 
@@ -173,7 +173,7 @@ class TrainWorker:
         proximal log-probs are computed once before the first.
 
         Optional per-sample columns: `staleness` (train_step - policy_version; 0 when absent),
-        `ref_logprobs` (one per response token; required when kl_coef > 0)."""
+        `ref_logprobs` (one per response token; required when kl_coef > 0, unless computed here: reference_on_trainer)."""
         settings = self.settings
         # plumbing: timing, train mode, input checks
         start = time.perf_counter()
@@ -181,17 +181,18 @@ class TrainWorker:
         count = len(samples["advantages"])
         if not count:
             raise ValueError("train_step got no samples")
+        samples = dict(samples)
+        if settings.reference_on_trainer:  # algorithm: pi_ref is this model with its LoRA adapters off
+            samples["ref_logprobs"] = self._frozen_logprobs(samples, reference=True)
         refs = samples.get("ref_logprobs")
         if settings.kl_coef > 0 and (refs is None or not len(refs) or not is_complete(refs)):
             raise ValueError(
                 f"algorithm.kl_coef is {settings.kl_coef} but samples carry no ref_logprobs (one reference "
                 "log-prob per response token); add the reference-model stage to the job or set algorithm.kl_coef: 0"
             )
-        samples = dict(samples)
         # algorithm: pi_prox, fixed before the first of several updates (decoupled PPO); one update uses pi_theta
-        updates = settings.ppo_epochs * settings.mini_batches
-        if updates > 1:
-            samples["proximal_logprobs"] = self._proximal_logprobs(samples)
+        if settings.ppo_epochs * settings.mini_batches > 1:
+            samples["proximal_logprobs"] = self._frozen_logprobs(samples)
         stats, mismatch = StatSums(), []
 
         def loss_of(part: dict, tokens: float, sequences: float, epoch: int, valid: float):
@@ -325,11 +326,12 @@ class TrainWorker:
             entropy = entropy_from_logits(logits.detach())  # a metric only
         yield batch.unpack(token_logprobs(logits, targets)), batch.unpack(entropy)
 
-    def _proximal_logprobs(self, samples: dict) -> Ragged:
-        """pi_prox: this rank's log-probs of every response token before the step's first update
-        (no grad), one row per sample; needed when the step takes several optimizer steps."""
+    def _frozen_logprobs(self, samples: dict, reference: bool = False) -> Ragged:
+        """pi_prox: this rank's log-probs of every response token before the step's first update (no grad),
+        one row per sample; needed when the step takes several optimizer steps. With `reference`, pi_ref: the
+        same with the LoRA adapters switched off (reference.on_trainer; no second copy of the base weights)."""
         proximal = [None] * len(samples["response_token_ids"])
-        with self.torch.no_grad():
+        with self.torch.no_grad(), adapters_disabled(self.engine.module) if reference else nullcontext():
             for indices, batch, _ in self._micro_batch_tensors(samples):  # an empty one still runs its forward
                 with self._logprobs(batch) as (logprobs, _):  # no backward to wait for
                     for row, index in enumerate(indices):

@@ -105,6 +105,12 @@ class JobConfig(Section):
                 "log-probs would be over the nucleus and the trainer's over the whole vocabulary, which biases "
                 "every importance ratio; use top_p: 1.0 (temperature still applies)"
             )
+        if self.reference is not None and self.reference.on_trainer and not self.reference_on_trainer():
+            problems.append(
+                "reference.on_trainer: the reference is computed on the trainer only with train.lora (its adapters "
+                "switched off), a reference that is the policy's base model (reference.model_path unset or "
+                "model.path) and algorithm.kl_reward_coef 0; unset reference.on_trainer to keep the RefLogprob stage"
+            )
         for coef in ("kl_coef", "kl_reward_coef"):
             if getattr(self.algorithm, coef) > 0 and self.reference is None:
                 problems.append(
@@ -124,6 +130,14 @@ class JobConfig(Section):
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         raise_at(problems)
         return self
+
+    def reference_on_trainer(self) -> bool:
+        """Whether the policy ranks compute the reference log-probs themselves, their LoRA adapters switched off
+        (reference.on_trainer; otherwise the RefLogprob stage does, when there is a reference)."""
+        ref = self.reference
+        possible = (ref is not None and self.train.lora is not None and ref.model_path in (None, self.model.path)
+                    and self.algorithm.kl_reward_coef == 0)
+        return possible and ref.on_trainer is not False
 
     def generated_groups_per_step(self) -> int:
         """Groups generated (scheduled) per train step: train.groups_per_step, more with dynamic sampling."""

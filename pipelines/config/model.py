@@ -56,6 +56,14 @@ class ReferenceConfig(Section):
         "(train.packing), or length-sorted and padded."
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="The reference model's dtype.")
+    on_trainer: Optional[bool] = Field(
+        None, description="With train.lora: the reference log-probs come from the policy ranks themselves, their "
+        "model with its adapters switched off (the frozen base model), computed in each train step before its "
+        "first update: no second copy of the weights and no RefLogprob actors, at the price of one more forward "
+        "pass per step on the trainer. Possible when the reference is the policy's base model (model_path unset "
+        "or model.path) and algorithm.kl_reward_coef is 0 (that KL is needed before the advantage stage). "
+        "Default (unset): on where possible; false keeps the RefLogprob stage."
+    )
 
     @field_validator("model_path")
     @classmethod

@@ -68,7 +68,7 @@ def demands(cfg: JobConfig) -> dict[str, Demand]:
            if cfg.eval is not None else {}),
         **({"reference": Demand("reference", cfg.reference.num_actors, _actor(
             cfg.reference.num_cpus, cfg.reference.num_gpus, cfg.reference.resources))}
-           if cfg.reference is not None else {}),
+           if cfg.reference is not None and not cfg.reference_on_trainer() else {}),
         **({"critic": Demand("critic", cfg.critic.world_size,
                              _actor(cfg.critic.num_cpus, cfg.critic.num_gpus, cfg.critic.resources)),
             "value": Demand("value", 1, _actor(cfg.critic.value_num_cpus, 0, {}))}
@@ -81,7 +81,7 @@ def stage_options(cfg: JobConfig) -> dict[str, dict]:
     actor whose engine spans several GPUs reserves them in its placement group instead
     (pipelines/runtime/placement.py: build_rl_dataset makes it)."""
     stages = {"generate": {"num_gpus": cfg.rollout.num_gpus, "resources": cfg.rollout.resources}}
-    if cfg.reference is not None:
+    if cfg.reference is not None and not cfg.reference_on_trainer():
         stages["reference"] = {"num_gpus": cfg.reference.num_gpus, "resources": cfg.reference.resources}
     return {stage: {key: value for key, value in options.items() if value} for stage, options in stages.items()}
 

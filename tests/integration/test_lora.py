@@ -149,3 +149,33 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_to_the_same_step(tiny_
     loaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True, dtype=torch.float32)
     for name, tensor in loaded.state_dict().items():
         np.testing.assert_array_equal(tensor.numpy(), uninterrupted[name], err_msg=name)
+
+
+def test_the_reference_on_the_trainer_is_the_base_model_and_its_kl_enters_the_loss(tiny_model_path):
+    """reference.on_trainer (the default with train.lora): the rank computes pi_ref itself, its adapters off, and
+    it equals the pretrained model's log-probs (what the RefLogprob stage would give) with no second model. At
+    the first step the adapters are at peft's start (B = 0) and the KL is 0; after it they moved and it is not.
+    The adapters still train afterwards (switching them off and on again keeps their requires_grad)."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    from safetensors.numpy import load_file
+
+    samples = explode(step_samples(tiny_model_path))
+    samples.pop("ref_logprobs", None)  # the stage is not in the DAG: the rank must make them
+    tokens, sequences = step_normalisers(samples)
+    cfg = load_config(None, LORA + ["reference={}", "algorithm.kl_coef=0.5"])
+    worker = worker_for(cfg, tiny_model_path)
+    first = worker.train_step(samples, tokens, sequences)
+    assert abs(first["kl_ref"]) < 1e-7, first["kl_ref"]
+    second = worker.train_step(samples, tokens, sequences)
+    assert second["kl_ref"] > 1e-6, second["kl_ref"]
+
+    base = log_probs(tiny_model_path, load_file(f"{tiny_model_path}/model.safetensors"), samples)
+    reference = worker._frozen_logprobs(samples, reference=True).values
+    np.testing.assert_allclose(reference, base, atol=1e-5)
+    policy = worker._frozen_logprobs(samples).values
+    assert np.abs(policy - base).max() > 1e-3  # the policy is not the reference
+    adapters = [param for name, param in worker.engine.module.named_parameters() if ".lora_" in name]
+    assert adapters and all(param.requires_grad for param in adapters)
+    before = [param.detach().clone() for param in adapters]
+    worker.train_step(samples, tokens, sequences)
+    assert any(not (param.detach() == old).all() for param, old in zip(adapters, before))

@@ -54,3 +54,29 @@ def test_the_policy_ranks_get_the_adapters_and_the_critic_does_not():
                                                                target_modules=("q_proj", "v_proj"))
     assert critic_settings(cfg, "model").lora is None  # the critic trains every weight of its own model
     assert trainer_settings(load_config(None, []), "model").lora is None
+
+
+def test_with_lora_the_reference_is_computed_on_the_trainer_where_it_can_be(tiny_model_path):
+    """reference.on_trainer: with train.lora and a reference that is the base model, the policy ranks compute
+    pi_ref with their adapters off, and the DAG has no RefLogprob stage and reserves no CPUs for it; a KL in the
+    reward (needed before the advantage), another reference model or `on_trainer: false` keep the stage; asking
+    for it where it cannot be is refused, naming the field."""
+    from pipelines.runtime.resources import demands
+    from pipelines.runtime.trainer_settings import trainer_settings
+    from pipelines.stages import stages
+
+    def names(cfg):
+        return [stage.fn.__name__ for stage in stages(cfg, tiny_model_path, None, None)]
+
+    lora = ["train.lora={r: 4}", "reference={}", "algorithm.kl_coef=0.1"]
+    on = load_config(None, lora)
+    assert on.reference_on_trainer() and trainer_settings(on, tiny_model_path).reference_on_trainer
+    assert "RefLogprob" not in names(on) and "reference" not in demands(on)
+    for other in (["reference={on_trainer: false}"], ["algorithm.kl_reward_coef=0.1"],
+                  [f"reference={{model_path: {tiny_model_path}}}", "model.path=builtin:tiny-arith"]):
+        cfg = load_config(None, lora + other)
+        assert not cfg.reference_on_trainer() and "RefLogprob" in names(cfg), other
+    plain = load_config(None, ["reference={}", "algorithm.kl_coef=0.1"])
+    assert not plain.reference_on_trainer() and "RefLogprob" in names(plain)
+    assert not trainer_settings(plain, tiny_model_path).reference_on_trainer
+    assert "train.lora" in problems("reference={on_trainer: true}", "algorithm.kl_coef=0.1")["reference.on_trainer"]
