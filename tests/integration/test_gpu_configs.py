@@ -164,3 +164,15 @@ def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_refused(stand_in_
     messages = dict(refused.value.problems)
     assert "12 attention heads" in messages["rollout.vllm.tensor_parallel_size"]
     assert "use one of [1, 2, 4, 6, 12]" in messages["rollout.vllm.tensor_parallel_size"]  # 3: not over 2 kv heads
+
+
+def test_a_lora_job_that_fits_is_not_refused_by_the_full_fine_tuning_estimate(stand_in_folders):
+    """The config check wires train.lora into the estimate: at 20480 tokens per micro-batch gpu_1.yaml's
+    Qwen2.5-0.5B rank needs ~42 GiB with full fine-tuning, over its 36, and fits with LoRA (no gradients or
+    Adam state for the frozen weights); at 24576 the activations alone are too many either way."""
+    overrides = stand_in_folders["0.5B"]
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens: a rank needs an estimated"):
+        load_config(GPU_DIR / "gpu_1.yaml", overrides + ["train.micro_batch_tokens=20480"])
+    load_config(GPU_DIR / "gpu_1.yaml", overrides + ["train.micro_batch_tokens=20480", "train.lora={r: 16}"])
+    with pytest.raises(ConfigError, match=r"gradients 0\.0, optimizer 0\.1"):
+        load_config(GPU_DIR / "gpu_1.yaml", overrides + ["train.micro_batch_tokens=24576", "train.lora={r: 16}"])
