@@ -36,14 +36,18 @@ PROMPT = "3+4="
 @pytest.fixture(scope="module")
 def trained_checkpoint(worker_factory, tiny_model_path, tmp_path_factory) -> Checkpoint:  # noqa: F811
     """A job's last checkpoint after one real train step: engine state, ledger, Hugging Face export."""
-    worker = worker_factory()
-    samples = explode(step_samples(tiny_model_path))
+    return after_one_step(worker_factory(), tiny_model_path, tmp_path_factory.mktemp("job"))
+
+
+def after_one_step(worker, model_path: str, folder: Path) -> Checkpoint:
+    """The job's checkpoint of `worker` after one train step, committed as a job commits it."""
+    samples = explode(step_samples(model_path))
     worker.train_step(samples, sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"]))
-    store = CheckpointDir(tmp_path_factory.mktemp("job") / "checkpoints" / "run")
+    store = CheckpointDir(folder / "checkpoints" / "run")
     tmp = store.begin(1)
     worker.save_checkpoint(str(tmp))
     worker.save_pretrained(str(tmp), tokenizer=True)
-    store.commit(tmp, 1, {"policy_version": 1, "model_path": tiny_model_path, "dataset_digest": "d1"},
+    store.commit(tmp, 1, {"policy_version": 1, "model_path": model_path, "dataset_digest": "d1"},
                  ledger_for(range(1)))
     return store.at_step(1)
 
@@ -159,15 +163,7 @@ def lora_checkpoint(worker_factory, tiny_model_path, tmp_path_factory) -> Checkp
     """A LoRA job's last checkpoint after one real train step (adapters on every linear layer)."""
     pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
     worker = worker_factory(**{"train.lora": "{r: 4, alpha: 8}", "train.lr": 0.05})
-    samples = explode(step_samples(tiny_model_path))
-    worker.train_step(samples, sum(len(r) for r in samples["response_token_ids"]), len(samples["advantages"]))
-    store = CheckpointDir(tmp_path_factory.mktemp("lora-job") / "checkpoints" / "run")
-    tmp = store.begin(1)
-    worker.save_checkpoint(str(tmp))
-    worker.save_pretrained(str(tmp), tokenizer=True)
-    store.commit(tmp, 1, {"policy_version": 1, "model_path": tiny_model_path, "dataset_digest": "d1"},
-                 ledger_for(range(1)))
-    return store.at_step(1)
+    return after_one_step(worker, tiny_model_path, tmp_path_factory.mktemp("lora-job"))
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["adapter", "adapter-and-merged"])
