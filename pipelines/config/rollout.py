@@ -161,7 +161,7 @@ class RolloutConfig(Section):
     probe_tolerance: Optional[float] = Field(
         None, gt=0, description="The probe's largest mean absolute gap per token between the engine's log-probs "
         "and the trainer's. Default: 1e-3 when the trainer (train.dtype) and the engine (rollout.vllm.dtype) both "
-        "compute in float32, 0.05 otherwise."
+        "compute in float32 (rollout.vllm.dtype auto counts as 16-bit: it is the model's, bf16 for most), 0.05 otherwise."
     )
     weight_timeout_s: float = Field(
         300, gt=0, description="The weight plane: the most any wait of a transfer may take (an engine's group "

@@ -33,6 +33,7 @@ def test_default_tolerance_by_dtype():
     assert probe_tolerance(None, "fp32", "float32") == FP32_TOLERANCE
     assert probe_tolerance(None, "bf16", "float32") == LOW_PRECISION_TOLERANCE
     assert probe_tolerance(None, "fp32", "bfloat16") == LOW_PRECISION_TOLERANCE
+    assert probe_tolerance(None, "fp32", "auto") == LOW_PRECISION_TOLERANCE  # the model's dtype, often bf16
     assert probe_tolerance(0.2, "fp32", "float32") == 0.2
 
 
