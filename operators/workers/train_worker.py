@@ -96,7 +96,8 @@ class TrainWorker:
             bucket_mb=settings.weight_bucket_mb, transfer=settings.weight_transfer,
             timeout_s=settings.weight_timeout_s, verify_every=settings.verify_weights_every,
             role=self.ROLE, section=self.SECTION, pin_memory=self.device.type == "cuda",
-            probe=served_probe(torch, self.engine.module, self.device, settings) if self.ROLE == "policy" else None)
+            probe=served_probe(torch, self.engine.module, self.device, settings)  # what the engines must match
+            if self.ROLE == "policy" and policy_store is not None else None)
         self.checkpointer = Checkpointer(
             self.engine, torch, rank, self._named_weights, partitioned=settings.zero_stage == 3,
             model_path=settings.model_path, trust_remote_code=settings.trust_remote_code,
@@ -327,9 +328,8 @@ class TrainWorker:
         yield batch.unpack(token_logprobs(logits, targets)), batch.unpack(entropy)
 
     def _frozen_logprobs(self, samples: dict, reference: bool = False) -> Ragged:
-        """pi_prox: this rank's log-probs of every response token before the step's first update (no grad),
-        one row per sample; needed when the step takes several optimizer steps. With `reference`, pi_ref: the
-        same with the LoRA adapters switched off (reference.on_trainer; no second copy of the base weights)."""
+        """pi_prox: this rank's log-probs of every response token before the step's first update (no grad), one row
+        per sample (several optimizer steps); with `reference`, pi_ref: the LoRA adapters off (reference.on_trainer)."""
         proximal = [None] * len(samples["response_token_ids"])
         with self.torch.no_grad(), adapters_disabled(self.engine.module) if reference else nullcontext():
             for indices, batch, _ in self._micro_batch_tensors(samples):  # an empty one still runs its forward
