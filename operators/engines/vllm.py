@@ -308,6 +308,15 @@ class VLLMEngine(VLLMBase):
         seed: int = 0,
         **extra_llm_kwargs: Any,
     ):
+        adapters = extra_llm_kwargs.pop("adapters", None)  # versions as LoRA adapters (rollout.lora_adapters)
+        self.adapter_spec, self.lora_request, self.loads = None, None, 0
+        if adapters is not None:
+            from operators.engines.adapters import AdapterSpec, vllm_lora_rank
+
+            self.adapter_spec = AdapterSpec(int(adapters["r"]), float(adapters["alpha"]),
+                                            adapters.get("target_modules", "all-linear"), str(model_path))
+            extra_llm_kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(int(adapters["r"])), max_loras=1,
+                                    max_cpu_loras=2)
         options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization, max_model_len,
                                enforce_eager, dtype, seed, extra_llm_kwargs)
         from vllm import LLM
@@ -356,7 +365,7 @@ class VLLMEngine(VLLMBase):
                 prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
                 sampling.append(sp)
         # all requests in one call: vLLM batches them continuously
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         groups = []
         for index in range(len(prompt_token_ids)):
             group = GroupSample()
@@ -372,6 +381,17 @@ class VLLMEngine(VLLMBase):
     def load_weights(self, state_dict: WeightSet | Mapping[str, np.ndarray]) -> None:
         """Replace the weights in place (HF names), without restarting the engine."""
         start = time.perf_counter()
+        if self.adapter_spec is not None:  # the version's LoRA adapter: the next requests carry it
+            from vllm.lora.request import LoRARequest
+
+            from operators.engines.adapters import write_adapter
+
+            self.loads += 1
+            folder = write_adapter(os.path.join(self.weight_file.dir.name, f"adapter-{self.loads % 2}"), state_dict,
+                                   self.adapter_spec)
+            self.lora_request = LoRARequest(f"policy-{self.loads}", self.loads, folder)
+            self.last_update_seconds = time.perf_counter() - start
+            return
         path = self.weight_file.write(state_dict)
         self.llm.collective_rpc("load_weights_file", args=(path,))
         self.weight_file.release(path)

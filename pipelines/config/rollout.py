@@ -150,6 +150,13 @@ class RolloutConfig(Section):
         "first update and every this many updates after it (0: the first only). A mismatch ends the attempt. "
         "Costs a sha256 over the weights on both sides (about 1 s per GB on one CPU core)."
     )
+    lora_adapters: Optional[bool] = Field(
+        None, description="With train.lora: each policy version reaches vLLM's in-flight engines as its LoRA "
+        "adapter (a few MB; vLLM's LoRA support) instead of the base model with the adapters merged (as many "
+        "bytes as the whole model). Added without pausing decoding: requests in flight finish on the adapter they "
+        "started with (their tokens' versions say so), new requests take the newest. Default (unset): on with "
+        "train.lora and the in-flight vLLM engine; false sends the merged weights."
+    )
     probe_every: int = Field(
         1, ge=0, description="The served-policy probe (operators/weights/probe.py): on every this many policy "
         "versions (0: never), the trainer scores a fixed token sequence before it publishes the version, and each "

