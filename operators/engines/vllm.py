@@ -311,12 +311,11 @@ class VLLMEngine(VLLMBase):
         adapters = extra_llm_kwargs.pop("adapters", None)  # versions as LoRA adapters (rollout.lora_adapters)
         self.adapter_spec, self.lora_request, self.loads = None, None, 0
         if adapters is not None:
-            from operators.engines.adapters import AdapterSpec, vllm_lora_rank
+            from operators.engines.adapters import AdapterSpec, vllm_lora_options
 
             self.adapter_spec = AdapterSpec(int(adapters["r"]), float(adapters["alpha"]),
                                             adapters.get("target_modules", "all-linear"), str(model_path))
-            extra_llm_kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(int(adapters["r"])), max_loras=1,
-                                    max_cpu_loras=2)
+            extra_llm_kwargs.update(vllm_lora_options(self.adapter_spec, 1, trust_remote_code))
         options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization, max_model_len,
                                enforce_eager, dtype, seed, extra_llm_kwargs)
         from vllm import LLM

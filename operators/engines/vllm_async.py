@@ -73,14 +73,13 @@ class AsyncVLLMEngine(VLLMBase):
             extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": BACKEND}}
         self.adapter_spec, self.adapters = None, None
         if adapters is not None:
-            from operators.engines.adapters import AdapterSlots, AdapterSpec, vllm_lora_rank
+            from operators.engines.adapters import AdapterSlots, AdapterSpec, vllm_lora_options
 
-            keep = max(int(adapters.get("keep", 2)), 1)
             self.adapter_spec = AdapterSpec(int(adapters["r"]), float(adapters["alpha"]),
                                             adapters.get("target_modules", "all-linear"), str(model_path))
             self.adapters = AdapterSlots()
-            extra_llm_kwargs = {**extra_llm_kwargs, "enable_lora": True, "max_lora_rank": vllm_lora_rank(int(adapters["r"])),
-                                "max_loras": keep, "max_cpu_loras": keep + 1}
+            extra_llm_kwargs = {**extra_llm_kwargs, **vllm_lora_options(
+                self.adapter_spec, max(int(adapters.get("keep", 2)), 1), trust_remote_code)}
         self.engine_id: str | None = None
         self._rendezvous = None
         self.options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization,
