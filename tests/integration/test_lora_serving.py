@@ -1,5 +1,5 @@
-"""WORK IN PROGRESS (branch wip/lora-adapters-on-engines): policy versions served as LoRA adapters by the in-flight
-vLLM engine (operators/engines/adapters.py). A version is added with no pause; the engine then computes what
+"""Policy versions served as LoRA adapters (rollout.lora_adapters; operators/engines/adapters.py), by the in-flight
+vLLM engine, the call-synchronous one and the HF engine. A version is added with no pause; the engine then computes what
 peft computes with that adapter; a request started before an update finishes on the adapter it started with
 (every token says so) while new requests take the new one; an adapter no request uses any more is dropped."""
 
