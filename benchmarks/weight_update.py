@@ -20,6 +20,11 @@ publish, or the hand-over), `update_s` (from the publish's start to the engine r
 is the apply alone, without requests to freeze. Also the bandwidths the 7B estimate reads: pack (gather
 to host buckets), the gloo broadcast, and the apply.
 
+With `--lora R` both sides train LoRA adapters of rank R on every linear layer: `gloo` then sends the base model
+with the adapters merged (rollout.lora_adapters: false), against `adapters` (rollout.lora_adapters, the
+default): the adapters alone on the object-store plane, added by the engine with no pause
+(operators/engines/adapters.py).
+
 Sizes: `medium` (12.7M) and `large` (42.5M) of benchmarks/generate_throughput.py, and `smollm2`, the
 real SmolLM2-135M-Instruct (pipelines/data/smollm2.py). Writes benchmarks/results/weight_update.json.
 """
@@ -55,20 +60,27 @@ def model_path(size: str, models: Path) -> tuple[Path, int]:
     return build_model(size, models)
 
 
-def side(path: Path, plane: str, port: int):
-    """A (store, trainer rank, rollout loop) wired as a job wires them for `plane`."""
+def side(path: Path, plane: str, port: int, lora_r: int | None = None):
+    """A (store, trainer rank, rollout loop) wired as a job wires them for `plane` (`adapters`: a LoRA job's
+    adapters alone; with `lora_r` the trainer trains adapters of that rank)."""
     from operators.engines.factory import make_in_flight_engine
     from operators.engines.rollout import RolloutLoop
+    from operators.workers.lora import LoraSettings
     from operators.workers.settings import LrSchedule, TrainerSettings
     from operators.workers.train_worker import TrainWorker
     from operators.weights.store import PolicyStoreClient
 
     store = PolicyStoreClient.create(0)
     store.version()
+    adapters = plane == "adapters"
+    lora = LoraSettings(r=lora_r, alpha=2 * lora_r) if lora_r else None
     settings = TrainerSettings(model_path=str(path), lr=1e-5, torch_threads=1, lr_schedule=LrSchedule(warmup_steps=0),
-                               weight_transfer=plane, verify_weights_every=0)
+                               weight_transfer="object_store" if adapters else plane, verify_weights_every=0,
+                               lora=lora, serve_adapters=adapters)
     worker = TrainWorker(0, 1, port, settings, store)
     options = {"weight_transfer": "gloo", "weight_timeout_s": 300} if plane == "gloo" else {}
+    if adapters:
+        options["adapters"] = {"r": lora_r, "alpha": 2 * lora_r, "keep": 3}
     engine = make_in_flight_engine("vllm", str(path), gpu_memory_utilization=0.1, max_model_len=256,
                                    max_num_seqs=16, **options)
     loop = RolloutLoop(engine, max_seqs_in_flight=16, partial_rollout=True, store=store, name=f"bench-{plane}")
@@ -114,7 +126,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="/tmp/streamrl-bench-models")
     parser.add_argument("--out", default=str(RESULTS / "weight_update.json"))
+    parser.add_argument("--lora", type=int, default=None, help="train LoRA adapters of this rank: merged weights on "
+                        "the gloo plane against the adapters alone")
     args = parser.parse_args()
+    planes = ("gloo", "adapters") if args.lora else PLANES
 
     import ray
 
@@ -124,11 +139,11 @@ def main() -> None:
     records = []
     for size in args.sizes.split(","):
         path, params = model_path(size, Path(args.models))
-        sides = {plane: side(path, plane, free_port()) for plane in PLANES}
-        rows = {plane: [] for plane in PLANES}
+        sides = {plane: side(path, plane, free_port(), args.lora) for plane in planes}
+        rows = {plane: [] for plane in planes}
         packs = []
         for repeat in range(args.repeats + 1):
-            for plane in PLANES:
+            for plane in planes:
                 figures = one_update(*sides[plane])
                 if repeat:
                     rows[plane].append(figures)
@@ -136,18 +151,24 @@ def main() -> None:
                       flush=True)
             if repeat:
                 packs.append(pack_seconds(sides["gloo"][1]))
-        record = {"model": size, "parameters": params, "planes": {}}
-        for plane in PLANES:
+        record = {"model": size, "parameters": params, "lora_r": args.lora, "planes": {}}
+        for plane in planes:
             record["planes"][plane] = {key: median(rows[plane], key) for key in
                                        ("trainer_blocked_s", "update_s", "pause_s", "load_s", "broadcast_s")}
             record["planes"][plane]["bytes"] = rows[plane][0]["bytes"]
-        old, new = record["planes"]["object_store"], record["planes"]["gloo"]
+        old, new = record["planes"][planes[0]], record["planes"]["gloo"]
+        if args.lora:  # merged (gloo) against the adapters alone
+            old, adapters = new, record["planes"]["adapters"]
+            record["adapters_vs_merged"] = {"bytes": round(adapters["bytes"] / old["bytes"], 4),
+                                            "pause_s": round(adapters["pause_s"] / old["pause_s"], 4),
+                                            "update_s": round(adapters["update_s"] / old["update_s"], 4)}
         nbytes = new["bytes"]
         record["pack_s"] = round(statistics.median(packs), 4)
         record["bandwidth_GBps"] = {"pack": round(nbytes / record["pack_s"] / 1e9, 3),
                                     "gloo_broadcast": round(nbytes / new["broadcast_s"] / 1e9, 3),
                                     "apply": round(nbytes / new["load_s"] / 1e9, 3)}
-        record["speedup"] = {key: round(old[key] / new[key], 2) for key in ("update_s", "trainer_blocked_s", "pause_s")}
+        if not args.lora:
+            record["speedup"] = {key: round(old[key] / new[key], 2) for key in ("update_s", "trainer_blocked_s", "pause_s")}
         records.append(record)
         for store, worker, loop in sides.values():
             loop.close()
@@ -161,8 +182,11 @@ def main() -> None:
         for plane, c in r["planes"].items():
             print(f"{r['model']:<8}{r['parameters'] / 1e6:>7.1f}M {plane:<13}{c['bytes'] / 2**20:>6.0f}"
                   f"{c['trainer_blocked_s']:>9.3f}{c['update_s']:>8.3f}{c['pause_s']:>8.3f}{c['load_s']:>8.3f}")
-        print(f"{'':<17}new vs old: update {r['speedup']['update_s']}x, trainer blocked "
-              f"{r['speedup']['trainer_blocked_s']}x, pause {r['speedup']['pause_s']}x; bandwidths GB/s {r['bandwidth_GBps']}")
+        if "speedup" in r:
+            print(f"{'':<17}new vs old: update {r['speedup']['update_s']}x, trainer blocked "
+                  f"{r['speedup']['trainer_blocked_s']}x, pause {r['speedup']['pause_s']}x; bandwidths GB/s {r['bandwidth_GBps']}")
+        else:
+            print(f"{'':<17}adapters / merged: {r['adapters_vs_merged']}")
     out = {
         "command": "python benchmarks/weight_update.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",

@@ -87,6 +87,11 @@ def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = 
     `plane`: the generate stage's engines, which receive policy versions on the weight plane when
     rollout.weight_transfer resolves to gloo (an evaluator's engine loads the versions it is handed)."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
+    if cfg.serves_adapters():  # every engine that loads versions gets adapters (the evaluator's too)
+        lora = cfg.train.lora
+        targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+        options["adapters"] = {"r": lora.r, "alpha": lora.alpha, "target_modules": targets,
+                               "keep": cfg.train.max_staleness + 2}
     if (engine or cfg.rollout.engine) == "hf":  # it scores each response in the trainer's chunks
         options["logits_chunk_tokens"] = cfg.train.logits_chunk_tokens
     elif (engine or cfg.rollout.engine) == "vllm":

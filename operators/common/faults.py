@@ -16,8 +16,8 @@ state. Each point fires once per directory: a restarted process passes it withou
 Behaviour faults do not hold: the first process to reach one writes its file and misbehaves once.
 
     engine_ignores_update   operators/engines/rollout.py: the engine skips applying a version and goes on with
-                            the weights it had, while the loop records the new version (what the served-policy
-                            probe, operators/weights/probe.py, must catch)
+                            the weights (or the LoRA adapter) it had, while the loop records the new version
+                            (what the served-policy probe, operators/weights/probe.py, must catch)
 """
 
 from __future__ import annotations

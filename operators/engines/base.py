@@ -57,6 +57,9 @@ class TokenDelta:
     token_ids: list[int]
     logprobs: list[float]  # one per token, as in GroupSample
     finished: bool = False
+    # an engine that serves each version as a LoRA adapter: the version of the adapter this request runs on
+    # from start to end (None: the tokens are the version loaded when they arrive)
+    version: int | None = None
 
 
 class InFlightEngine(Protocol):

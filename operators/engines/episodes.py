@@ -145,6 +145,7 @@ class EpisodeRunner:
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     version = self.slots.received(len(delta.token_ids))
+                    version = version if delta.version is None else delta.version  # an adapter: the request's
                     for token, logprob in zip(delta.token_ids, delta.logprobs):
                         tokens.append(token)
                         logprobs.append(logprob)

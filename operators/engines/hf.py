@@ -22,7 +22,9 @@ from operators.weights.buckets import as_weight_set
 
 class HFEngine:
     def __init__(self, model_path: str, trust_remote_code: bool = False, torch_threads: int | None = None,
-                 logits_chunk_tokens: int = 2048):
+                 logits_chunk_tokens: int = 2048, adapters: dict | None = None):
+        """`adapters`: versions arrive as LoRA adapters ({r, alpha, target_modules}; rollout.lora_adapters): peft's
+        layers go around the base model here (B = 0: the base model until the first version loads)."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -39,6 +41,13 @@ class HFEngine:
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)  # the generation config's EOS ids too
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.logits_chunk_tokens = logits_chunk_tokens  # 0: the full logits at once
+        self.adapted = adapters is not None
+        if self.adapted:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            config = LoraConfig(r=int(adapters["r"]), lora_alpha=float(adapters["alpha"]), bias="none",
+                                target_modules=adapters.get("target_modules", "all-linear"))
+            self.model = inject_adapter_in_model(config, self.model).eval()
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         return self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
@@ -91,4 +100,14 @@ class HFEngine:
 
     def load_weights(self, state_dict: Mapping[str, np.ndarray]) -> None:
         # views of the buckets (read-only object-store buffers): load_state_dict copies and casts them
-        self.model.load_state_dict(as_weight_set(state_dict).state_dict(), strict=True)
+        state = as_weight_set(state_dict).state_dict()
+        if not self.adapted:
+            self.model.load_state_dict(state, strict=True)
+            return
+        from operators.weights.lora_merge import module_adapter_name
+
+        mapped = {module_adapter_name(name): tensor for name, tensor in state.items()}
+        expected = {name for name in self.model.state_dict() if ".lora_" in name}
+        if set(mapped) != expected:
+            raise ValueError(f"the adapter's tensors are not this engine's adapters: {sorted(set(mapped) ^ expected)[:4]}")
+        self.model.load_state_dict(mapped, strict=False)

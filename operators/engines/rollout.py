@@ -200,6 +200,7 @@ class RolloutLoop:
         try:
             async for delta in self.engine.stream(prompt_ids, params, seed, request_id, f"policy-v{slots.version}"):
                 version = slots.received(len(delta.token_ids))
+                version = version if delta.version is None else delta.version  # an adapter: the request's own
                 tokens[delta.sample].extend(delta.token_ids)
                 logprobs[delta.sample].extend(delta.logprobs)
                 versions[delta.sample].extend([version] * len(delta.token_ids))
@@ -215,7 +216,10 @@ class RolloutLoop:
 
     async def _load(self, incoming: Incoming) -> UpdateRecord:
         """Load one version: prepare it while decoding goes on (a file for vLLM), then swap. A version the
-        engine's workers staged (the gloo plane) needs no preparing: the engine applies it in the pause."""
+        engine's workers staged (the gloo plane) needs no preparing: the engine applies it in the pause. An
+        engine that serves versions as LoRA adapters adds it with no pause at all."""
+        if getattr(self.engine, "serves_adapters", False):
+            return await self._add_adapter(incoming)
         if incoming.staged:
             return await self._swap(incoming.version, lambda: self.engine.apply_received(incoming.version),
                                     incoming.pull_s, 0.0)
@@ -226,6 +230,25 @@ class RolloutLoop:
         prepare_s = time.perf_counter() - start
         return await self._swap(incoming.version, lambda: self.engine.load_prepared(prepared), incoming.pull_s,
                                 prepare_s)
+
+    async def _add_adapter(self, incoming: Incoming) -> UpdateRecord:
+        """A version as a LoRA adapter: written and added while decoding goes on; requests in flight finish on
+        the adapter they started with (their tokens say so: TokenDelta.version), new ones take this one. The
+        engine's adapter and the loop's version change together, with no await between them."""
+        start = time.perf_counter()
+        prepared = await asyncio.get_running_loop().run_in_executor(
+            None, self.engine.prepare_adapter, incoming.version, incoming.weights)
+        incoming.weights = None
+        prepared_at = time.perf_counter()
+        async with self._swap_lock:
+            if self.faults.fires("engine_ignores_update", version=incoming.version):
+                self.slots.set_version(incoming.version)  # a test's fault: the engine keeps the adapter it had
+            else:
+                await self.engine.add_adapter(incoming.version, prepared)
+                self.slots.set_version(incoming.version)
+        end = time.perf_counter()
+        return UpdateRecord(incoming.version, incoming.pull_s, prepared_at - start, 0.0, end - prepared_at, 0.0,
+                            self.slots.in_flight)
 
     async def _swap(self, version: int, apply: Callable[[], Awaitable[dict | None]], pull_s: float,
                     prepare_s: float) -> UpdateRecord:

@@ -37,15 +37,10 @@ requests in flight, driven by `operators.engines.rollout.RolloutLoop`; both shar
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import glob
 import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -55,7 +50,8 @@ import numpy as np
 from operators.engines.base import GroupSample, SamplingParams
 from operators.common.prompts import cut_at_stop, stop_token_ids
 from operators.common.quiet import quiet_vllm
-from operators.weights.buckets import WeightSet, as_weight_set
+from operators.engines.weight_files import WeightFile
+from operators.weights.buckets import WeightSet
 
 logger = logging.getLogger(__name__)
 
@@ -190,76 +186,6 @@ def sampled_logprobs(completion, tokens: list[int]) -> list[float]:
     return [float(step[token].logprob) for step, token in zip(completion.logprobs or [], tokens)]
 
 
-WEIGHT_DIR_PREFIX = "streamrl-weights-"
-OWNER_LOCK = "owner.lock"  # flock-ed by the engine that owns the folder, for as long as its process lives
-ORPHAN_AGE_S = 60.0  # a folder younger than this may be one whose owner has not taken its lock yet
-
-
-class WeightFile:
-    """Where weights go on their way into the workers: one safetensors file per update, removed once the
-    workers have loaded it (tmpfs /dev/shm where it exists, so the write is a memory copy, and the file
-    holds RAM until removed).
-
-    An engine killed with SIGKILL (Ray's OOM killer, a lost node's actors) cannot remove its folder, and
-    in /dev/shm a left-over folder holds up to two copies of the model in RAM until the machine restarts:
-    the next attempt then runs out of memory sooner. So each folder carries a lock its owner holds while
-    it lives (an flock, released by the kernel when the process dies, whatever its pid namespace), and a
-    new WeightFile removes the folders whose lock it can take."""
-
-    def __init__(self, base: str | None = None, echo=print):
-        if base is None:
-            shm = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-            base = "/dev/shm" if shm else tempfile.gettempdir()
-        removed = remove_orphan_weight_dirs(base)
-        if removed[0]:
-            echo(f"streamrl: removed {removed[0]} weight folder(s) left in {base} by vLLM engines that died "
-                 f"({removed[1] / 2**30:.2f} GiB of memory freed)")
-        self.dir = tempfile.TemporaryDirectory(prefix=WEIGHT_DIR_PREFIX, dir=base)
-        self._lock = open(os.path.join(self.dir.name, OWNER_LOCK), "w")  # noqa: SIM115 (held until close)
-        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.count = 0
-
-    def write(self, weights: WeightSet | Mapping[str, np.ndarray]) -> str:
-        """The weights' buckets into the file as they are (bf16 stays bf16; vLLM casts to its dtype)."""
-        self.count += 1
-        path = os.path.join(self.dir.name, f"weights-{self.count % 2}.safetensors")  # two: one may be loading
-        as_weight_set(weights).write_safetensors(path)
-        return path
-
-    @staticmethod
-    def release(path: str) -> None:
-        """The workers have loaded `path`: give its memory back (a worker that still maps it keeps its pages)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-    def close(self) -> None:
-        self._lock.close()
-        self.dir.cleanup()
-
-
-def remove_orphan_weight_dirs(base: str, min_age_s: float = ORPHAN_AGE_S) -> tuple[int, int]:
-    """Remove the weight folders in `base` whose owner died (their lock is free); (folders, bytes) removed.
-    Folders without a lock file (written by another version) and those younger than `min_age_s` are kept."""
-    removed = freed = 0
-    for folder in glob.glob(os.path.join(base, WEIGHT_DIR_PREFIX + "*")):
-        lock_path = os.path.join(folder, OWNER_LOCK)
-        try:
-            if time.time() - os.stat(lock_path).st_mtime < min_age_s:
-                continue
-            lock = open(lock_path)  # noqa: SIM115
-        except OSError:
-            continue
-        with lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # its owner is alive
-                continue
-            size = sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file())
-            shutil.rmtree(folder, ignore_errors=True)
-        removed, freed = removed + 1, freed + size
-    return removed, freed
-
-
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
     """Per-request seed, stable for (seed, prompt position). vLLM gives the i-th of the
     `n` samples of a request the seed `seed + i`, so leave room for them below 2**31."""
@@ -308,6 +234,14 @@ class VLLMEngine(VLLMBase):
         seed: int = 0,
         **extra_llm_kwargs: Any,
     ):
+        adapters = extra_llm_kwargs.pop("adapters", None)  # versions as LoRA adapters (rollout.lora_adapters)
+        self.adapter_spec, self.lora_request, self.loads = None, None, 0
+        if adapters is not None:
+            from operators.engines.adapters import AdapterSpec, vllm_lora_options
+
+            self.adapter_spec = AdapterSpec(int(adapters["r"]), float(adapters["alpha"]),
+                                            adapters.get("target_modules", "all-linear"), str(model_path))
+            extra_llm_kwargs.update(vllm_lora_options(self.adapter_spec, 1, trust_remote_code))
         options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization, max_model_len,
                                enforce_eager, dtype, seed, extra_llm_kwargs)
         from vllm import LLM
@@ -356,7 +290,7 @@ class VLLMEngine(VLLMBase):
                 prompts.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
                 sampling.append(sp)
         # all requests in one call: vLLM batches them continuously
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         groups = []
         for index in range(len(prompt_token_ids)):
             group = GroupSample()
@@ -372,6 +306,17 @@ class VLLMEngine(VLLMBase):
     def load_weights(self, state_dict: WeightSet | Mapping[str, np.ndarray]) -> None:
         """Replace the weights in place (HF names), without restarting the engine."""
         start = time.perf_counter()
+        if self.adapter_spec is not None:  # the version's LoRA adapter: the next requests carry it
+            from vllm.lora.request import LoRARequest
+
+            from operators.engines.adapters import write_adapter
+
+            self.loads += 1
+            folder = write_adapter(os.path.join(self.weight_file.dir.name, f"adapter-{self.loads % 2}"), state_dict,
+                                   self.adapter_spec)
+            self.lora_request = LoRARequest(f"policy-{self.loads}", self.loads, folder)
+            self.last_update_seconds = time.perf_counter() - start
+            return
         path = self.weight_file.write(state_dict)
         self.llm.collective_rpc("load_weights_file", args=(path,))
         self.weight_file.release(path)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -53,10 +54,13 @@ class AsyncVLLMEngine(VLLMBase):
         max_num_seqs: int | None = None,
         weight_transfer: str | None = None,
         weight_timeout_s: float = 300.0,
+        adapters: dict | None = None,
         **extra_llm_kwargs: Any,
     ):
         """`weight_transfer`: 'gloo' to receive weights on the weight plane (operators/weights/gloo_plane.py);
-        None: `load_prepared` loads a file written by `prepare_weights` (evaluators, tests, plain loops)."""
+        None: `load_prepared` loads a file written by `prepare_weights` (evaluators, tests, plain loops).
+        `adapters`: serve each version as a LoRA adapter ({r, alpha, target_modules, keep}: train.lora's fields
+        and how many adapters may be in use at once, max_staleness + 2; operators/engines/adapters.py)."""
         if max_num_seqs is not None:  # the engine's own batch limit: at least the loop's cap
             extra_llm_kwargs = {**extra_llm_kwargs, "max_num_seqs": int(max_num_seqs)}
         if weight_transfer not in (None, "gloo"):
@@ -67,6 +71,15 @@ class AsyncVLLMEngine(VLLMBase):
             from operators.weights.vllm_gloo import BACKEND
 
             extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": BACKEND}}
+        self.adapter_spec, self.adapters = None, None
+        if adapters is not None:
+            from operators.engines.adapters import AdapterSlots, AdapterSpec, vllm_lora_options
+
+            self.adapter_spec = AdapterSpec(int(adapters["r"]), float(adapters["alpha"]),
+                                            adapters.get("target_modules", "all-linear"), str(model_path))
+            self.adapters = AdapterSlots()
+            extra_llm_kwargs = {**extra_llm_kwargs, **vllm_lora_options(
+                self.adapter_spec, max(int(adapters.get("keep", 2)), 1), trust_remote_code)}
         self.engine_id: str | None = None
         self._rendezvous = None
         self.options = self._set_up(model_path, trust_remote_code, torch_threads, gpu_memory_utilization,
@@ -86,6 +99,34 @@ class AsyncVLLMEngine(VLLMBase):
             pass
         self.start_seconds = time.perf_counter() - started
 
+    @property
+    def serves_adapters(self) -> bool:
+        return self.adapters is not None
+
+    def prepare_adapter(self, version: int, weights) -> str:
+        """Version `version`'s adapter tensors as an adapter folder beside the engine's weight files."""
+        from operators.engines.adapters import write_adapter
+
+        return write_adapter(os.path.join(self.weight_file.dir.name, f"adapter-v{version}"), weights,
+                             self.adapter_spec)
+
+    async def add_adapter(self, version: int, folder: str) -> None:
+        """Load the adapter (no pause: requests in flight go on) and make it the one new requests take; drop
+        the adapters no request uses any more."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"policy-v{version}", version + 1, folder)  # vLLM's ids start at 1
+        await self.engine.add_lora(request)
+        self.adapters.add(version, request, folder)
+        await self._drop(self.adapters.use(version))
+
+    async def _drop(self, versions: list[int]) -> None:
+        for version in versions:
+            handle = self.adapters.requests.get(version)
+            self.adapters.forget(version)
+            if handle is not None:
+                await self.engine.remove_lora(handle.lora_int_id)
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
@@ -96,14 +137,20 @@ class AsyncVLLMEngine(VLLMBase):
 
         prompt = {"prompt_token_ids": [int(t) for t in prompt_token_ids], "cache_salt": cache_salt}
         sampling = request_sampling(params, seed, output_kind=RequestOutputKind.DELTA, stop_token_ids=list(self.stop_ids))
-        if params.temperature < GREEDY_EPS and params.n > 1:
-            # vLLM rejects n > 1 for greedy requests: n requests of one sample, merged here
-            streams = [self._one(prompt, sampling, f"{request_id}.{i}", sample=i) for i in range(params.n)]
-            async for delta in _merge(streams):
+        # an adapter engine: every sample of the request on the adapter that is newest now, to its end
+        version, lora = self.adapters.begin() if self.adapters is not None else (None, None)
+        try:
+            if params.temperature < GREEDY_EPS and params.n > 1:
+                # vLLM rejects n > 1 for greedy requests: n requests of one sample, merged here
+                streams = [self._one(prompt, sampling, f"{request_id}.{i}", i, version, lora) for i in range(params.n)]
+                async for delta in _merge(streams):
+                    yield delta
+                return
+            async for delta in self._one(prompt, sampling, request_id, None, version, lora):
                 yield delta
-            return
-        async for delta in self._one(prompt, sampling, request_id, sample=None):
-            yield delta
+        finally:
+            if self.adapters is not None:
+                await self._drop(self.adapters.end(version))
 
     async def score(self, token_ids: list[int], request_id: str) -> list[float]:
         """log_softmax(logits) of each token of `token_ids` after the first, under the weights loaded now (vLLM's
@@ -114,7 +161,8 @@ class AsyncVLLMEngine(VLLMBase):
         prompt = {"prompt_token_ids": [int(t) for t in token_ids], "cache_salt": request_id}
         sampling = VLLMSamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
         final = None
-        async for output in self.engine.generate(self._engine_input(prompt), sampling, request_id):
+        lora = self.adapters.requests.get(self.adapters.current) if self.adapters is not None else None
+        async for output in self.engine.generate(self._engine_input(prompt), sampling, request_id, lora_request=lora):
             final = output
         scored = (final.prompt_logprobs or [])[1:] if final is not None else []
         return [float(position[int(token)].logprob) for position, token in zip(scored, token_ids[1:])]
@@ -127,9 +175,10 @@ class AsyncVLLMEngine(VLLMBase):
         (engine_input,) = self.engine.renderer.render_cmpl([parse_model_prompt(self.engine.model_config, prompt)])
         return engine_input
 
-    async def _one(self, prompt: dict, sampling, request_id: str, sample: int | None) -> AsyncIterator[TokenDelta]:
+    async def _one(self, prompt: dict, sampling, request_id: str, sample: int | None, version: int | None = None,
+                   lora=None) -> AsyncIterator[TokenDelta]:
         seen_eos: set[int] = set()
-        async for output in self.engine.generate(self._engine_input(prompt), sampling, request_id):
+        async for output in self.engine.generate(self._engine_input(prompt), sampling, request_id, lora_request=lora):
             for completion in output.outputs:
                 index = completion.index if sample is None else sample
                 tokens = list(completion.token_ids)
@@ -140,7 +189,7 @@ class AsyncVLLMEngine(VLLMBase):
                     tokens = tokens[: stop + 1]
                     seen_eos.add(index)
                 finished = completion.finished() or index in seen_eos
-                yield TokenDelta(index, tokens, sampled_logprobs(completion, tokens), finished)
+                yield TokenDelta(index, tokens, sampled_logprobs(completion, tokens), finished, version)
 
     async def join_weight_plane(self, engine_id: str, faults) -> dict:
         """Open this engine's rendezvous (a TCP store in this process, on a port the OS picks) and start its

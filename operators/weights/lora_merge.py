@@ -1,5 +1,7 @@
 """The weights of a model trained with LoRA adapters (operators/workers/lora.py), as the engines load them: the
-base model's state-dict names, each adapted linear layer's weight W + (alpha / r) B A, no adapter entries.
+base model's state-dict names, each adapted linear layer's weight W + (alpha / r) B A, no adapter entries
+(`merged_weights`); or the adapters alone, in peft's saved names, for engines that serve each version as an
+adapter (`adapter_weights`).
 
 The walk goes one module at a time as `named_weights` (buckets.py) does: under ZeRO-3 an adapted layer's base
 weight and both adapter matrices are gathered together for the duration, so no rank holds more than one
@@ -40,3 +42,31 @@ def merged_weights(module, gathered=None) -> Iterator[tuple[str, Any]]:
             with gathering(gathered, [tensor for _, tensor in own]):
                 for name, tensor in own:
                     yield name, tensor.detach()
+
+
+def peft_saved_name(name: str) -> str:
+    """A LoRA parameter's name in the module (model.layers.0.mlp.up_proj.lora_A.default.weight) as peft saves it
+    (base_model.model.model.layers.0.mlp.up_proj.lora_A.weight: the PeftModel's prefix, no adapter name)."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def module_adapter_name(saved: str) -> str:
+    """peft's saved name back to the module's (the inverse of peft_saved_name)."""
+    name = saved.removeprefix("base_model.model.")
+    for part in (".lora_A.", ".lora_B."):
+        name = name.replace(part, f"{part}{ADAPTER}.")
+    return name
+
+
+def adapter_weights(module, gathered=None) -> Iterator[tuple[str, Any]]:
+    """The adapters alone, lora_A and lora_B of every adapted layer in peft's saved names, one layer at a time
+    (gathered together under ZeRO-3)."""
+    from peft.tuners.lora import LoraLayer
+
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, LoraLayer):
+            continue
+        own = [(f"{prefix}.{name}", param) for name, param in sub.named_parameters() if ".lora_" in f".{name}"]
+        with gathering(gathered, [param for _, param in own]):
+            for name, param in own:
+                yield peft_saved_name(name), param.detach()

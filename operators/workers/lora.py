@@ -18,6 +18,8 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from operators.weights.lora_merge import adapter_weights
+
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 INSTALL = "pip install 'streamrl[lora]' (peft==0.21.2)"
 ADAPTER_DIR = "adapter"  # in a LoRA checkpoint: the adapters alone, as peft saves them
@@ -93,12 +95,6 @@ def layer_kinds(layer_names: list[str]) -> list[str]:
     return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in layer_names))
 
 
-def peft_saved_name(name: str) -> str:
-    """A LoRA parameter's name in the module (model.layers.0.mlp.up_proj.lora_A.default.weight) as peft saves it
-    (base_model.model.model.layers.0.mlp.up_proj.lora_A.weight: the PeftModel's prefix, no adapter name)."""
-    return "base_model.model." + name.replace(".default.", ".")
-
-
 def save_adapter(module, gathered, base_model: str, rank: int, folder: str) -> str | None:
     """Write `module`'s adapters as peft's adapter folder, folder/adapter: adapter_model.safetensors (the
     adapters' weights in the module's dtype) and adapter_config.json (peft's config as injected, the target
@@ -106,11 +102,7 @@ def save_adapter(module, gathered, base_model: str, rank: int, folder: str) -> s
     DeepSpeed's GatheredParameters, a collective); rank 0 writes and returns the folder, the others None."""
     from safetensors.torch import save_file
 
-    params = [(name, param) for name, param in module.named_parameters() if ".lora_" in name]
-    gather = gathered([param for _, param in params], modifier_rank=None) if gathered else contextlib.nullcontext()
-    with gather:
-        state = {peft_saved_name(name): param.detach().to("cpu", copy=True).contiguous()
-                 for name, param in params} if rank == 0 else {}
+    state = {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in adapter_weights(module, gathered)}
     if rank != 0:
         return None
     out = Path(folder) / ADAPTER_DIR

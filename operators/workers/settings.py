@@ -79,5 +79,6 @@ class TrainerSettings:
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     ppo_epochs: int = 1  # passes over the step's samples
     mini_batches: int = 1  # optimizer steps per pass; each gets 1/mini_batches of the rank's samples
+    serve_adapters: bool = False  # rollout.lora_adapters: the publisher sends the adapters alone, not merged weights
     reference_on_trainer: bool = False  # train.lora: ref_logprobs from this model with its adapters off
     lora: LoraSettings | None = None  # train.lora: adapters only train (operators/workers/lora.py); None: every weight

@@ -32,7 +32,7 @@ from operators.algorithms.step_batch import micro_batch_chunks, mini_batch_parts
 from operators.common.devices import local_device
 from operators.algorithms.logprobs import chunkable_head, chunked_logprobs
 from operators.weights.buckets import named_weights
-from operators.weights.lora_merge import merged_weights
+from operators.weights.lora_merge import adapter_weights, merged_weights
 from operators.weights.probe import served_probe
 from operators.weights.publisher import Publisher
 from operators.workers.checkpointer import Checkpointer
@@ -60,9 +60,8 @@ class TrainWorker:
     def __init__(
         self, rank: int, world_size: int, master_port: int, settings: TrainerSettings, policy_store=None
     ):
-        """`policy_store`: the handle of the store actor (the weight channel) rank 0 publishes to, passed in
-        by whoever made it (pipelines/runtime/policy_store.py); None to publish nowhere
-        (a plain single-process loop pulls weights with `state_dict()` instead)."""
+        """`policy_store`: the handle of the store actor (the weight channel) rank 0 publishes to, passed in by
+        whoever made it (pipelines/runtime/policy_store.py); None: a plain loop pulls weights with `state_dict()`."""
         import torch
 
         # The rank's device: the GPU Ray assigned to this actor (cuda:0, the only one it sees), else the CPU.
@@ -88,10 +87,11 @@ class TrainWorker:
         # module's parameters are gathered for the duration (a collective: every rank must iterate it, so every
         # rank joins a publish and rank 0 alone sends); with LoRA, the adapted layers merged (lora_merge.py).
         gathered = deepspeed.zero.GatheredParameters if settings.zero_stage == 3 else None
-        walk = named_weights if settings.lora is None else merged_weights
-        self._named_weights = functools.partial(walk, self.engine.module, gathered)  # given to the parts
+        self._named_weights = functools.partial(named_weights if settings.lora is None else merged_weights,
+                                                self.engine.module, gathered)  # given to the parts
+        sent = functools.partial(adapter_weights, self.engine.module, gathered) if settings.serve_adapters else None
         self.publisher = Publisher(  # Ray only with a store: a plain loop (benchmarks/gpu_smoke.py) has none
-            policy_store if rank == 0 else None, self._named_weights,
+            policy_store if rank == 0 else None, sent or self._named_weights,  # rollout.lora_adapters: adapters alone
             joins=policy_store is not None and (rank == 0 or settings.zero_stage == 3),
             bucket_mb=settings.weight_bucket_mb, transfer=settings.weight_transfer,
             timeout_s=settings.weight_timeout_s, verify_every=settings.verify_weights_every,

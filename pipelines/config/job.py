@@ -125,11 +125,33 @@ class JobConfig(Section):
             )
         problems += self._critic_problems(samples, checks.token_estimator(self.algorithm.advantage))
         problems += self._eval_engine_problems()
-        problems += self._weight_transfer_problems()
+        problems += self._weight_transfer_problems() + self._adapter_problems()
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")
         raise_at(problems)
         return self
+
+    def serves_adapters(self) -> bool:
+        """Whether the generate engines get each version as its LoRA adapter (rollout.lora_adapters)."""
+        from pipelines.config.rollout import runs_in_flight
+
+        possible = self.train.lora is not None and self.rollout.engine == "vllm" and runs_in_flight(self.rollout)
+        return possible and self.rollout.lora_adapters is not False
+
+    def _adapter_problems(self) -> list[str]:
+        if self.rollout.lora_adapters and not self.serves_adapters():
+            return ["rollout.lora_adapters: adapters are served by vLLM's in-flight engine to a train.lora job; set "
+                    "train.lora, rollout.engine: vllm and rollout.in_flight: true, or unset rollout.lora_adapters"]
+        if not self.serves_adapters():
+            return []
+        problems = []
+        if self.train.lora.r > 512:
+            problems.append(f"train.lora.r: {self.train.lora.r} is above the largest LoRA rank vLLM serves (512); "
+                            "lower it, or set rollout.lora_adapters: false to send the merged weights")
+        if self.rollout.weight_transfer not in ("auto", "object_store"):
+            problems.append(f"rollout.weight_transfer: {self.rollout.weight_transfer} moves whole weights; LoRA "
+                            "adapters travel on object_store (use auto), or set rollout.lora_adapters: false")
+        return problems
 
     def reference_on_trainer(self) -> bool:
         """Whether the policy ranks compute the reference log-probs themselves, their LoRA adapters switched off

@@ -143,12 +143,19 @@ class RolloutConfig(Section):
         "pulled by each engine (the HF engine's path, and the path before the weight plane). 'nccl' (engines on "
         "GPUs of their own) and 'ipc' (an engine on a trainer's GPU) are vLLM's GPU backends, not wired yet. "
         "'auto': gloo for vLLM's in-flight engine on CPUs, object_store otherwise (GPUs until nccl is wired; "
-        "the HF engine; in_flight: false)."
+        "the HF engine; in_flight: false; LoRA adapters, rollout.lora_adapters)."
     )
     verify_weights_every: int = Field(
         50, ge=0, description="The weight plane: compare the engines' weight checksums with the trainer's on the "
         "first update and every this many updates after it (0: the first only). A mismatch ends the attempt. "
         "Costs a sha256 over the weights on both sides (about 1 s per GB on one CPU core)."
+    )
+    lora_adapters: Optional[bool] = Field(
+        None, description="With train.lora: each policy version reaches vLLM's in-flight engines as its LoRA "
+        "adapter (a few MB; vLLM's LoRA support) instead of the base model with the adapters merged (as many "
+        "bytes as the whole model). Added without pausing decoding: requests in flight finish on the adapter they "
+        "started with (their tokens' versions say so), new requests take the newest. Default (unset): on with "
+        "train.lora and the in-flight vLLM engine; false sends the merged weights."
     )
     probe_every: int = Field(
         1, ge=0, description="The served-policy probe (operators/weights/probe.py): on every this many policy "

@@ -32,6 +32,8 @@ def weight_plane(cfg: JobConfig) -> str:
     asked, rollout = cfg.rollout.weight_transfer, cfg.rollout
     if asked != "auto":
         return asked
+    if cfg.serves_adapters():  # a version is its LoRA adapter, a few MB: each engine pulls it
+        return "object_store"
     on_gpus = rollout.num_gpus > 0 or cfg.train.num_gpus > 0
     return "gloo" if (rollout.engine == "vllm" and uses_in_flight(rollout) and not on_gpus) else "object_store"
 

@@ -76,7 +76,7 @@ def trainer_settings(cfg: JobConfig, model_path: str) -> TrainerSettings:
             total_steps=cfg.train.steps * updates_per_step(cfg),
             kind=cfg.train.lr_schedule, min_ratio=cfg.train.lr_min_ratio,
         ),
-        lora=lora_settings(cfg), reference_on_trainer=cfg.reference_on_trainer(),
+        lora=lora_settings(cfg), reference_on_trainer=cfg.reference_on_trainer(), serve_adapters=cfg.serves_adapters(),
         # the HF engine computes in float32 (operators/engines/hf.py)
         probe_tolerance=probe_tolerance(cfg.rollout.probe_tolerance, cfg.train.dtype,
                                         cfg.rollout.vllm.dtype if cfg.rollout.engine == "vllm" else "float32"),

@@ -202,12 +202,12 @@ def test_weight_folders_of_engines_that_died_are_removed_and_live_ones_kept(tmp_
     import sys
     from pathlib import Path
 
-    from operators.engines.vllm import OWNER_LOCK, WEIGHT_DIR_PREFIX, WeightFile, remove_orphan_weight_dirs
+    from operators.engines.weight_files import OWNER_LOCK, WEIGHT_DIR_PREFIX, WeightFile, remove_orphan_weight_dirs
 
     weights = {"w": np.ones((256, 256), dtype=np.float32)}
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys, time, numpy as np\n"
-         "from operators.engines.vllm import WeightFile\n"
+         "from operators.engines.weight_files import WeightFile\n"
          f"f = WeightFile(base={str(tmp_path)!r})\n"
          "print(f.write({'w': np.ones((256, 256), dtype=np.float32)}), flush=True)\n"
          "time.sleep(600)\n"],

@@ -179,15 +179,16 @@ def test_one_map_from_config_to_trainer_settings_and_the_same_defaults():
     fields = {f.name for f in dataclasses.fields(TrainerSettings)}
     # max_new_tokens: the policy's budget per response (rollout.max_new_tokens, times turns in an episode);
     # weight_transfer: rollout.weight_transfer resolved for the engine and devices (weight_plane);
-    # reference_on_trainer: the reference section, train.lora and the KL placement (JobConfig.reference_on_trainer)
-    made = ("lr_schedule", "correction", "max_new_tokens", "weight_transfer", "reference_on_trainer")
+    # reference_on_trainer: the reference section, train.lora and the KL placement (JobConfig.reference_on_trainer);
+    # serve_adapters: rollout.lora_adapters resolved (JobConfig.serves_adapters)
+    made = ("lr_schedule", "correction", "max_new_tokens", "weight_transfer", "reference_on_trainer", "serve_adapters")
     sources = config_sources(cfg, POLICY_SECTIONS, built=made)
     assert fields == {"model_path", *made, *sources}  # no field of a rank without a config field of its name
     assert sources["torch_threads"] == "train.torch_threads" and sources["temperature"] == "rollout.temperature"
     assert built.weight_transfer == weight_plane(cfg) == "object_store"  # the default engine is hf
     assert critic_settings(cfg, "critic").weight_transfer == "object_store"  # the Value stage reads the store
     defaults = TrainerSettings(model_path="model")
-    for name in [*sources, "max_new_tokens", "reference_on_trainer"]:
+    for name in [*sources, "max_new_tokens", "reference_on_trainer", "serve_adapters"]:
         assert getattr(defaults, name) == getattr(built, name), name
     critic = critic_sources(cfg)
     assert {path.partition(".")[0] for path in critic.values()} == {"critic", "train", "model"}

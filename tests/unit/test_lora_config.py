@@ -80,3 +80,27 @@ def test_with_lora_the_reference_is_computed_on_the_trainer_where_it_can_be(tiny
     assert not plain.reference_on_trainer() and "RefLogprob" in names(plain)
     assert not trainer_settings(plain, tiny_model_path).reference_on_trainer
     assert "train.lora" in problems("reference={on_trainer: true}", "algorithm.kl_coef=0.1")["reference.on_trainer"]
+
+
+def test_with_lora_vllms_in_flight_engines_get_adapters_and_the_rest_merged_weights():
+    """rollout.lora_adapters: on by default for train.lora with the in-flight vLLM engine (the object-store plane,
+    the adapters alone from the trainer, every engine told the adapter's shape and how many it may hold); off,
+    or with the HF engine, merged weights as before; asked for where it cannot be, or with a rank vLLM does not
+    serve or a plane that moves whole weights, refused naming the field."""
+    from pipelines.runtime.rollout_settings import weight_plane
+    from pipelines.runtime.trainer_settings import trainer_settings
+    from pipelines.stages import engine_options
+
+    cfg = load_config(None, ["train.lora={r: 8, alpha: 16}", "rollout.engine=vllm", "train.max_staleness=1"])
+    assert cfg.serves_adapters() and weight_plane(cfg) == "object_store"
+    assert trainer_settings(cfg, "m").serve_adapters
+    assert engine_options(cfg, in_flight=True, plane=True)["adapters"] == {
+        "r": 8, "alpha": 16.0, "target_modules": "all-linear", "keep": 3}
+    for merged in (["train.lora={r: 8}", "rollout.engine=vllm", "rollout.lora_adapters=false"],
+                   ["train.lora={r: 8}"], ["rollout.engine=vllm"]):
+        other = load_config(None, merged)
+        assert not other.serves_adapters() and "adapters" not in engine_options(other), merged
+        assert not trainer_settings(other, "m").serve_adapters
+    assert "rollout.lora_adapters" in problems("train.lora={r: 8}", "rollout.lora_adapters=true")
+    assert "train.lora.r" in problems("train.lora={r: 1024}", "rollout.engine=vllm")
+    assert "rollout.weight_transfer" in problems("train.lora={r: 8}", "rollout.engine=vllm", "rollout.weight_transfer=gloo")
