@@ -65,9 +65,10 @@ def run_dag(cfg, ray_timeline: str | None = None) -> tuple[list[dict], str | Non
     import ray
 
     from pipelines.job import run_job
+    from pipelines.runtime.memory import local_object_store_mb
     from pipelines.runtime.session import init_ray
 
-    init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=cfg.ray.object_store_memory_mb)
+    init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=local_object_store_mb(cfg, None))
     try:
         result = run_job(cfg)
         if ray_timeline:  # Ray's own task/actor-call trace (chrome://tracing, Perfetto)

@@ -48,12 +48,13 @@ def run_one(mode: str, latency: str, steps: int, output_dir: str) -> dict:
     from pipelines.job import run_job
     from pipelines.runtime.session import init_ray
     from pipelines.tracking.timeline import overlap_report
+    from pipelines.runtime.memory import local_object_store_mb
 
     overrides = [f"output_dir={output_dir}", f"train.steps={steps}", "eval=null", "tracking.enabled=false",
                  "train.checkpoint_every=0", f"rollout.partial_rollout={str(MODES[mode]).lower()}",
                  *LATENCIES[latency]]
     cfg = load_config(CONFIG, overrides)
-    init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=cfg.ray.object_store_memory_mb)
+    init_ray(num_cpus=cfg.ray.num_cpus, object_store_memory_mb=local_object_store_mb(cfg, None))
     started = time.time()
     import ray
 

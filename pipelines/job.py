@@ -14,7 +14,6 @@ The only loop is the weight channel (train -> policy store -> generate).
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
-import ray
 
 from operators.environments.sandbox import isolation
 from pipelines.config.base import ConfigError
@@ -36,6 +34,7 @@ from pipelines.recovery.checkpoint import CheckpointDir, dataset_digest, next_ru
 from pipelines.recovery.preemption import Preempted, Preemption
 from pipelines.recovery.resume import AttemptFailed, check_can_resume, describe_failure, resolve_run, run_file_info
 from pipelines.recovery.step_log import EvalRows, StepLog
+from pipelines.runtime.memory import local_object_store_mb
 from pipelines.runtime.rollout_settings import sandbox_limits
 from pipelines.runtime.session import check_object_store, ray_session
 from pipelines.tracking.policy_model import log_final_policy
@@ -81,7 +80,7 @@ def run_job(cfg: JobConfig, echo: Callable[[str], None] = print, resume: str | N
     try:
         # After Ray's start: ray.init sets a SIGTERM handler of its own (sys.exit), which ours replaces.
         ray_start = time.time()
-        with ray_session(cfg), preemption:
+        with ray_session(cfg, local_object_store_mb(cfg, run.model_path)), preemption:
             run.phases.add("Ray", ray_start, time.time())
             check_object_store(cfg, run.model_path)  # the cluster's real object stores, before any actor starts
             run_attempts(run, preemption)
@@ -129,8 +128,6 @@ def prepare(cfg: JobConfig, echo: Callable[[str], None], resume: str | None) -> 
     inputs = check_inputs(cfg, echo, resolve=True)
     model_path = inputs.model_path
     prompts, source = inputs.prompts(cfg.data, echo)
-    if not ray.is_initialized() and cfg.ray.address is None and not os.environ.get("RAY_ADDRESS"):
-        check_object_store(cfg, model_path, cfg.ray.object_store_memory_mb, "local")  # before the MLflow run
     schedule = schedule_groups(prompts, cfg)
     digest = dataset_digest(prompts)
     held_out = load_eval_prompts(cfg, model_path, echo) if cfg.eval is not None else None

@@ -27,8 +27,8 @@ def choose_device(assigned_gpus: int | None, cuda_available: bool, role: str = "
     if not cuda_available:
         raise DeviceError(
             f"{role} was given {assigned_gpus} GPU(s) by Ray but this torch has no CUDA (a CPU build, or no "
-            "driver). Install the GPU environment (make install-gpu) on GPU nodes, or set the section's "
-            "num_gpus: 0 to run on CPUs"
+            "driver). On GPU nodes start Ray from the GPU environment (`make install-gpu` builds .venv-gpu; "
+            "`. .venv-gpu/bin/activate` before `ray start`), or set the section's num_gpus: 0 to run on CPUs"
         )
     return "cuda"
 

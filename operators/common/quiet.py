@@ -106,7 +106,8 @@ def write_logging_config(level: str) -> str:
 
 def quiet_vllm() -> None:
     """Before a vLLM engine starts in this process: its known noise filtered here and in the processes it
-    starts. A logging config or a model runner the user chose in the environment is kept."""
+    starts. A logging config the user chose in the environment is kept. (The engines set the model runner from
+    rollout.vllm.model_runner before this: operators/engines/vllm.py use_model_runner.)"""
     # Messages vLLM logs while it is being imported, before it configures its logging: filtered on their logger.
     importing = logging.getLogger("vllm.triton_utils.importing")
     if not any(isinstance(known, KnownNoise) for known in importing.filters):

@@ -116,6 +116,15 @@ def clamp_max_model_len(model_path: str, max_model_len: int | None) -> int | Non
     return max_model_len
 
 
+def use_model_runner(runner: str) -> None:
+    """vLLM's model runner for the engine built next in this process and the processes it starts (read from the
+    environment when the engine's config is made): "v1" or "v2" (rollout.vllm.model_runner). vLLM 0.32 takes V2 on
+    CUDA unless told; only V1 has run streamrl's weight reload, processed log-probs and kept-request pauses."""
+    if runner not in ("v1", "v2"):
+        raise ValueError(f"model_runner {runner!r}: 'v1' or 'v2'")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+
+
 def llm_options(model_path: str, trust_remote_code: bool, gpu_memory_utilization: float, max_model_len: int | None,
                 enforce_eager: bool, dtype: str, seed: int, extra: Mapping[str, Any]) -> dict[str, Any]:
     """The engine arguments both engines (LLM, AsyncLLM) start with."""
@@ -201,6 +210,8 @@ class VLLMBase:
                 seed: int, extra: Mapping[str, Any]) -> dict[str, Any]:
         """Bind threads, load the tokenizer, make the weight file; the engine arguments. First of all, before
         vLLM is imported: its known noise filtered (operators/common/quiet.py)."""
+        extra = dict(extra)
+        use_model_runner(extra.pop("model_runner", "v1"))
         quiet_vllm()
         bind_threads(torch_threads, int(extra.get("tensor_parallel_size") or 1))
         self.model_path = str(model_path)

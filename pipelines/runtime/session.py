@@ -13,7 +13,7 @@ import ray
 
 from pipelines.config.base import ConfigError
 from pipelines.config.job import JobConfig
-from pipelines.runtime.memory import object_store_problem
+from pipelines.runtime.memory import local_object_store_mb, object_store_problem, shm_problem
 from pipelines.runtime.quiet import spend_actor_restart_warning
 from pipelines.runtime.resources import Node, demands
 
@@ -84,19 +84,61 @@ def init_ray(
 
 
 @contextlib.contextmanager
-def ray_session(cfg: JobConfig):
-    """Use the caller's Ray (a test, a notebook), else start or join one for this job."""
+def ray_session(cfg: JobConfig, object_store_mb: int | None = None):
+    """Use the caller's Ray (a test, a notebook), else start or join one for this job. `object_store_mb`: a
+    local cluster's object store (default: pipelines/runtime/memory.py local_object_store_mb without a model,
+    i.e. ray.object_store_memory_mb or 512)."""
     if ray.is_initialized():
         yield
         return
     init_ray(
-        cfg.ray.address, cfg.ray.num_cpus, cfg.ray.object_store_memory_mb,
+        cfg.ray.address, cfg.ray.num_cpus,
+        object_store_mb if object_store_mb is not None else local_object_store_mb(cfg, None),
         cfg.ray.include_dashboard, cfg.ray.dashboard_host,
     )
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def starts_local_cluster(cfg: JobConfig) -> bool:
+    """Whether a job of `cfg` run here starts a Ray cluster of its own (no ray.address, not inside a submitted
+    job, no Ray already joined by this process)."""
+    return cfg.ray.address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
+
+
+def local_store_problems(cfg: JobConfig, model_path: str | None) -> list[tuple[str, str]]:
+    """What keeps the object store of the local cluster a job of `cfg` would start here from carrying it: a
+    set ray.object_store_memory_mb too small for what goes through it (object_store_problem; only with the
+    model folder at hand), or a store, set or sized, that /dev/shm has no room for (shm_problem). None to say
+    when the job joins a cluster: check_object_store reads that cluster's stores once joined."""
+    if not starts_local_cluster(cfg):
+        return []
+    store_mb = local_object_store_mb(cfg, model_path)
+    found = [object_store_problem(cfg, model_path, store_mb, "local") if model_path else None,
+             shm_problem(store_mb, chosen=cfg.ray.object_store_memory_mb is not None)]
+    return [("ray.object_store_memory_mb", problem.split(": ", 1)[1]) for problem in found if problem]
+
+
+def local_gpu_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    """A job that starts its own cluster here and asks for GPUs, where this Python's torch has no CUDA: each of
+    its GPU actors would stop with a DeviceError (operators/common/devices.py) once started, or wait forever
+    where Ray finds no GPU. The usual cause: the CPU venv (.venv) active on a GPU machine."""
+    sections = {"rollout": cfg.rollout, "train": cfg.train, "reference": cfg.reference, "critic": cfg.critic,
+                "eval": cfg.eval}
+    asked = [(f"{name}.num_gpus", section.num_gpus) for name, section in sections.items()
+             if section is not None and section.num_gpus]
+    if not asked or not starts_local_cluster(cfg):
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [(field, f"{gpus:g} GPU(s) asked for, but this Python's torch ({torch.__version__}) has no CUDA, and the "
+                    "local cluster this job starts runs every actor with it. On a GPU machine run from the GPU "
+                    "environment (`make install-gpu` builds .venv-gpu; `. .venv-gpu/bin/activate`); on CPUs set "
+                    f"{field}: 0") for field, gpus in asked]
 
 
 def check_object_store(cfg: JobConfig, model_path: str, store_mb: float | None = None, where: str = "",
