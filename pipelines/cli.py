@@ -6,6 +6,8 @@
     streamrl lineage RUN_ID [--step N] [--output-dir DIR] | --checkpoint PATH   [--json]
     streamrl eval CHECKPOINT | RUN_ID [--step N] [--data FILE] [--reward NAME ...] [--set ...]
     streamrl sync CONFIG RUN_ID|latest [--set ...]   (deliver records MLflow did not get before the job ended)
+    streamrl plan CONFIG [--gpus N --gpu-memory-gb G [--nodes K] [--cpus C]] [--model-config FILE] [--set ...]
+                  (placement, memory per GPU and per host, object store, /dev/shm, weight plane: no cluster needed)
 
 Exit codes: 0 done, 1 the job failed (the command that resumes it is printed), 2 the config
 or input is invalid or the cluster cannot take the job (nothing was started), 75 stopped on
@@ -33,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "models, the reward functions' columns) as `run` does, and print it resolved"),
         ("submit", "submit a job to a running Ray cluster and follow it"),
         ("sync", "deliver to MLflow what a run could not before it ended (an outage at its end)"),
+        ("plan", "what the config needs from a cluster, worked out without one: placement, memory per GPU and "
+                 "per host, object store, /dev/shm, weight plane (estimates)"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("config", help="YAML config, e.g. configs/tiny_grpo.yaml")
@@ -47,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands.choices["sync"].add_argument("run", metavar="RUN_ID|latest", help="the run ('latest': the newest "
                                           "run under the config's output_dir)")
+    plan = commands.choices["plan"]
+    plan.add_argument("--gpus", type=int, help="GPUs per node of the cluster to plan on (default: the config's "
+                      "ray.cluster)")
+    plan.add_argument("--gpu-memory-gb", type=float, help="memory of each GPU in GiB, e.g. 80")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes of that shape (default 1)")
+    plan.add_argument("--cpus", type=float, help="CPUs per node (default 12 per GPU; 8 without GPUs)")
+    plan.add_argument("--model-config", help="the model's config.json, when model.path is a Hub id not in the "
+                      "local cache")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     lineage = commands.add_parser("lineage", help="what produced a checkpoint: steps, groups, policy versions, prompts")
     lineage.add_argument("run_id", nargs="?", help="the run (its newest checkpoint)")
     lineage.add_argument("--step", type=int, help="list every group trained at this step")
@@ -95,6 +108,22 @@ def _submit(args) -> int:
     except KeyboardInterrupt:
         return 130
     return 0 if not args.wait or job.status == "SUCCEEDED" else 1
+
+
+def _plan(args) -> int:
+    import json
+
+    from pipelines.runtime.plan import PlanError, cluster_overrides, find_shape, job_plan, plan_text
+
+    try:
+        cfg = load_config(args.config, args.overrides + cluster_overrides(args.gpus, args.gpu_memory_gb, args.nodes,
+                                                                          args.cpus))
+        record = job_plan(cfg, *find_shape(cfg, args.model_config))
+    except (ConfigError, PlanError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(json.dumps(record, indent=1) if args.json else plan_text(args.config, record))
+    return EXIT_BAD_CONFIG if record["problems"] else 0
 
 
 def _lineage(args) -> int:
@@ -183,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return _submit(args)
     if args.command == "lineage":
         return _lineage(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "eval":
         return _eval(args)
     try:

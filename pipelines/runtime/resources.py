@@ -37,13 +37,15 @@ class Demand:
 class Node:
     name: str
     free: dict[str, float] = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)  # the stages of the actors the plan put here, one per actor
 
     def fits(self, need: dict[str, float]) -> bool:
         return all(self.free.get(key, 0.0) + 1e-9 >= amount for key, amount in need.items() if amount > 0)
 
-    def take(self, need: dict[str, float]) -> None:
+    def take(self, need: dict[str, float], stage: str = "", count: int = 1) -> None:
         for key, amount in need.items():
             self.free[key] = self.free.get(key, 0.0) - amount
+        self.placed += [stage] * count
 
 
 def _format(resources: dict[str, float]) -> str:
@@ -126,9 +128,15 @@ def live_nodes(resources_by_node: dict[str, dict[str, float]]) -> list[Node]:
 
 def plan_problems(cfg: JobConfig, nodes: list[Node]) -> list[str]:
     """Why the job cannot be placed on `nodes` (empty when it fits); `nodes` are left unchanged."""
+    return placement(cfg, nodes)[1]
+
+
+def placement(cfg: JobConfig, nodes: list[Node]) -> tuple[list[Node], list[str]]:
+    """The plan: copies of `nodes`, each with the stages of the actors put on it (`placed`) and what is left
+    free, and why the job cannot be placed (empty when it fits); `nodes` are left unchanged."""
     nodes = [Node(node.name, dict(node.free)) for node in nodes]
     if not nodes:
-        return ["the cluster has no nodes"]
+        return nodes, ["the cluster has no nodes"]
     problems = []
     stages = demands(cfg)
     problem = _tensor_parallel_problem(cfg, nodes)
@@ -153,8 +161,8 @@ def plan_problems(cfg: JobConfig, nodes: list[Node]) -> list[str]:
                     f"free per node: {_free(nodes)}. Lower the {demand.stage} actors' count or resources, or add nodes"
                 )
                 break
-            node.take(demand.resources)
-    return problems
+            node.take(demand.resources, demand.stage)
+    return nodes, problems
 
 
 def _free(nodes: list[Node]) -> str:
@@ -169,7 +177,7 @@ def _place_trainer(trainer: Demand, strategy: str, nodes: list[Node]) -> str | N
         if node is None:
             return (f"train.placement: STRICT_PACK puts all {trainer.count} ranks ({_format(group)}) on one node, "
                     f"and no node has that: {_free(nodes)}. Use PACK, or fewer ranks")
-        node.take(group)
+        node.take(group, trainer.stage, trainer.count)
         return None
     used: set[str] = set()
     for rank in range(trainer.count):
@@ -179,6 +187,6 @@ def _place_trainer(trainer: Demand, strategy: str, nodes: list[Node]) -> str | N
             return (f"train needs {trainer.describe()}{spread} but only {rank} rank(s) fit; free per node: "
                     f"{_free(nodes)}. Lower train.world_size or its resources, or add nodes")
         node = candidates[0]
-        node.take(need)
+        node.take(need, trainer.stage)
         used.add(node.name)
     return None

@@ -25,11 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # Not in configs/ itself: their model and prompt paths exist only on a GPU cluster, so they
 # validate here with stand-ins (below), not as they are.
 GPU_DIR = ROOT / "configs" / "gpu"
-GPU_CONFIGS = {"gpu_1.yaml": 1, "gpu_8.yaml": 8, "gpu_16.yaml": 16}
+GPU_CONFIGS = {"gpu_1.yaml": 1, "gpu_8.yaml": 8, "gpu_16.yaml": 16, "qwen2.5-7b_8xh100.yaml": 8}
 # The dimensions of the models the configs name (their config.json on the Hugging Face hub).
-QWEN = {"0.5B": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14),
-        "1.5B": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12)}
-MODEL_OF = {"gpu_1.yaml": "0.5B", "gpu_8.yaml": "1.5B", "gpu_16.yaml": "1.5B"}
+SMALL = dict(vocab_size=151936, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN = {"0.5B": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14, **SMALL),
+        "1.5B": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12, **SMALL),
+        "7B": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944, num_attention_heads=28,
+                   vocab_size=152064, num_key_value_heads=4, tie_word_embeddings=False)}
+MODEL_OF = {"gpu_1.yaml": "0.5B", "gpu_8.yaml": "1.5B", "gpu_16.yaml": "1.5B", "qwen2.5-7b_8xh100.yaml": "7B"}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +44,9 @@ def stand_in_folders(tmp_path_factory) -> dict[str, list[str]]:
     for size, dims in QWEN.items():
         model = folder / f"qwen2.5-{size}"
         model.mkdir()
-        (model / "config.json").write_text(json.dumps({
-            "model_type": "qwen2", "vocab_size": 151936, "num_key_value_heads": 2, "tie_word_embeddings": True, **dims}))
-        overrides = [f"model.path={model}", f"data.path={prompts}"]
+        (model / "config.json").write_text(json.dumps({"model_type": "qwen2", **dims}))
+        # the 7B config's prompts are reasoning-gym's, generated here: only its model stands in
+        overrides = [f"model.path={model}"] + ([f"data.path={prompts}"] if size != "7B" else [])
         out[size] = overrides if vllm_installed() else overrides + ["rollout.engine=hf"]
     return out
 
@@ -60,10 +63,9 @@ def test_every_gpu_config_is_covered():
 def test_parameter_count_of_the_named_models():
     from pipelines.runtime.memory import model_shape, parameter_count
 
-    assert round(parameter_count(dict(QWEN["1.5B"], vocab_size=151936, num_key_value_heads=2,
-                                      tie_word_embeddings=True)) / 1e9, 2) == 1.54  # Qwen2.5-1.5B: 1.54B
-    assert round(parameter_count(dict(QWEN["0.5B"], vocab_size=151936, num_key_value_heads=2,
-                                      tie_word_embeddings=True)) / 1e9, 2) == 0.49  # Qwen2.5-0.5B: 0.49B
+    assert round(parameter_count(QWEN["1.5B"]) / 1e9, 2) == 1.54  # Qwen2.5-1.5B: 1.54B
+    assert round(parameter_count(QWEN["0.5B"]) / 1e9, 2) == 0.49  # Qwen2.5-0.5B: 0.49B
+    assert round(parameter_count(QWEN["7B"]) / 1e9, 2) == 7.62  # Qwen2.5-7B: 7.62B
     assert model_shape(str(GPU_DIR)) is None  # no config.json: no estimate, no refusal
 
 
