@@ -16,7 +16,9 @@ Then two measurements of their own (each section's failure is recorded and the n
 - weight path at a 7B shape (random Qwen2-7B weights in bf16 on the GPU, no trainer): pack into host
   buckets, broadcast over the loopback gloo group, load into a second copy on the GPU, with pageable
   and with pinned host buffers (`BucketBuffers(pin_memory=...)`), each a cold and a reused round; the
-  copy is checked equal to the source.
+  copy is checked equal to the source;
+- the CUDA IPC round trip at the same shape (benchmarks/gpu_ipc.py): the weights reach a second process
+  through IPC handles as vLLM's IPC engine ships them, rebuilt equal, and shared (a change seen there).
 
     python benchmarks/gpu_smoke.py --out smoke.json                  # on the GPU machine
     python benchmarks/gpu_smoke.py --tiny --out /tmp/smoke.json      # the same path on a CPU, tiny model
@@ -34,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.gpu_ipc import ipc_round_trip
 from benchmarks.gpu_weight_path import LoopbackPlane, synchronize, weight_path
 
 
@@ -276,6 +279,8 @@ def main() -> None:
     if plane_shape != "none":
         section(report, "weight_path", args.out,
                 lambda: weight_path(QWEN2_7B if plane_shape == "7b" else TINY, plane, args.plane_rounds))
+        section(report, "ipc_round_trip", args.out,
+                lambda: ipc_round_trip(QWEN2_7B if plane_shape == "7b" else TINY, args.plane_rounds))
 
 
 def write(report: dict, out: str | None) -> None:

@@ -45,3 +45,8 @@ def test_the_gpu_smoke_script_trains_delivers_each_version_and_compares_layouts(
     rounds = report["weight_path"]["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]  # pageable buffers only: pinning needs CUDA
     assert all(r["equal_to_source"] and not r["pinned"] for r in rounds)
+    # the IPC round trip (shared memory on a CPU, CUDA IPC handles on a GPU): rebuilt equal, and shared, not copied
+    ipc = report["ipc_round_trip"]
+    assert [r["round"] for r in ipc["rounds"]] == [0, 1] and ipc["tensors"] > 0
+    assert all(r["equal_to_source"] and r["change_seen_by_receiver"] and r["receiver_device"] == "cpu"
+               for r in ipc["rounds"])
