@@ -162,7 +162,8 @@ def evaluate(config: str, overrides: list[str], model_path: str, versions: list[
     prompts, _ = load_eval_prompts(cfg, model_path, echo)
     scores = {}
     with ray_session(cfg):
-        evaluator = Evaluator(prompts, settings, model_path, engine_options(cfg, settings.engine))
+        # whole checkpoints (a LoRA one's export is merged): no adapters on the engine
+        evaluator = Evaluator(prompts, settings, model_path, engine_options(cfg, settings.engine, adapters=False))
         try:
             for version, folder in versions:
                 started = time.perf_counter()

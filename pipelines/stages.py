@@ -80,14 +80,16 @@ class Stage:
 
 
 def engine_options(cfg: JobConfig, engine: str | None = None, in_flight: bool = False,
-                   replica_group: bool = False, plane: bool = False) -> dict:
+                   replica_group: bool = False, plane: bool = False, adapters: bool = True) -> dict:
     """Constructor options of `engine` (default: the configured rollout engine; `in_flight`: its async form).
     `replica_group`: the engine runs in a generate replica's placement group (replica_placement), whose GPU
     bundles vLLM's Ray executor fills; otherwise a tensor-parallel engine uses the GPUs its actor holds.
     `plane`: the generate stage's engines, which receive policy versions on the weight plane when
-    rollout.weight_transfer resolves to gloo (an evaluator's engine loads the versions it is handed)."""
+    rollout.weight_transfer resolves to gloo (an evaluator's engine loads the versions it is handed).
+    `adapters`: False for an engine that only ever loads whole checkpoints (`streamrl eval`, the race's
+    scoring: a LoRA checkpoint's export is the merged policy), so vLLM's LoRA layers are not set up for it."""
     options = {"torch_threads": cfg.rollout.torch_threads, "trust_remote_code": cfg.model.trust_remote_code}
-    if cfg.serves_adapters():  # every engine that loads versions gets adapters (the evaluator's too)
+    if adapters and cfg.serves_adapters():  # every engine that loads versions gets adapters (the evaluator's too)
         lora = cfg.train.lora
         targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
         options["adapters"] = {"r": lora.r, "alpha": lora.alpha, "target_modules": targets,

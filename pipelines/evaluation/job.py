@@ -196,7 +196,7 @@ def _score(frames, cfg: JobConfig, settings: EvalSettings, checkpoint: Checkpoin
     parts, total = [], sum(len(frame) for frame in frames)
     started = time.perf_counter()
     for mode in settings.modes:
-        ds = eval_dataset(frames, str(checkpoint.path), settings, mode == "greedy", engine_options(cfg, settings.engine),
+        ds = eval_dataset(frames, str(checkpoint.path), settings, mode == "greedy", engine_options(cfg, settings.engine, adapters=False),
                           checkpoint.step, cfg.eval.num_cpus, cfg.eval.num_gpus)
         done, shown = 0, 0.0
         for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):

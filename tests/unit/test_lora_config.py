@@ -96,6 +96,7 @@ def test_with_lora_vllms_in_flight_engines_get_adapters_and_the_rest_merged_weig
     assert trainer_settings(cfg, "m").serve_adapters
     assert engine_options(cfg, in_flight=True, plane=True)["adapters"] == {
         "r": 8, "alpha": 16.0, "target_modules": "all-linear", "keep": 3}
+    assert "adapters" not in engine_options(cfg, adapters=False)  # whole checkpoints only: `streamrl eval`, the race
     for merged in (["train.lora={r: 8}", "rollout.engine=vllm", "rollout.lora_adapters=false"],
                    ["train.lora={r: 8}"], ["rollout.engine=vllm"]):
         other = load_config(None, merged)
