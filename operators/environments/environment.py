@@ -37,7 +37,7 @@ import inspect
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
