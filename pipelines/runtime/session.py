@@ -121,15 +121,16 @@ def local_store_problems(cfg: JobConfig, model_path: str | None) -> list[tuple[s
     return [("ray.object_store_memory_mb", problem.split(": ", 1)[1]) for problem in found if problem]
 
 
-def local_gpu_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+def local_gpu_problems(cfg: JobConfig, local: bool | None = None) -> list[tuple[str, str]]:
     """A job that starts its own cluster here and asks for GPUs, where this Python's torch has no CUDA: each of
     its GPU actors would stop with a DeviceError (operators/common/devices.py) once started, or wait forever
-    where Ray finds no GPU. The usual cause: the CPU venv (.venv) active on a GPU machine."""
+    where Ray finds no GPU. The usual cause: the CPU venv (.venv) active on a GPU machine. `local`: whether the
+    job starts its own cluster here (default: starts_local_cluster)."""
     sections = {"rollout": cfg.rollout, "train": cfg.train, "reference": cfg.reference, "critic": cfg.critic,
                 "eval": cfg.eval}
     asked = [(f"{name}.num_gpus", section.num_gpus) for name, section in sections.items()
              if section is not None and section.num_gpus]
-    if not asked or not starts_local_cluster(cfg):
+    if not asked or not (starts_local_cluster(cfg) if local is None else local):
         return []
     import torch
 

@@ -91,7 +91,7 @@ def test_a_job_asking_for_gpus_from_a_torch_without_cuda_is_refused_naming_the_g
     # A config written for a declared cluster (the GPU configs) is validated against it on a laptop, not here.
     from pipelines.runtime.session import local_gpu_problems
 
-    assert local_gpu_problems(load_config(GPU_8, qwen_7b)) != []  # run would refuse it here
+    assert local_gpu_problems(load_config(GPU_8, qwen_7b), local=True) != []  # run would refuse it here
     declared = streamrl("validate", "configs/tiny_grpo.yaml", "--set", "train.num_gpus=1", "--set",
                         "ray.cluster=[{count: 1, num_cpus: 8, num_gpus: 1}]")
     assert declared.returncode == 0, declared.stderr[-2000:]
