@@ -58,19 +58,20 @@ class AsyncVLLMEngine(VLLMBase):
         **extra_llm_kwargs: Any,
     ):
         """`weight_transfer`: 'gloo' to receive weights on the weight plane (operators/weights/gloo_plane.py);
+        'nccl' for vLLM's NCCL engine, driven by a trainer through vLLM's weight-sync protocol
+        (operators/engines/weight_sync.py; on a CPU its communicator is gloo: operators/weights/vllm_nccl.py);
         None: `load_prepared` loads a file written by `prepare_weights` (evaluators, tests, plain loops).
         `adapters`: serve each version as a LoRA adapter ({r, alpha, target_modules, keep}: train.lora's fields
         and how many adapters may be in use at once, max_staleness + 2; operators/engines/adapters.py)."""
         if max_num_seqs is not None:  # the engine's own batch limit: at least the loop's cap
             extra_llm_kwargs = {**extra_llm_kwargs, "max_num_seqs": int(max_num_seqs)}
-        if weight_transfer not in (None, "gloo"):
-            raise ValueError(f"weight_transfer {weight_transfer!r}: this engine receives on 'gloo' (or None)")
+        if weight_transfer not in (None, "gloo", "nccl"):
+            raise ValueError(f"weight_transfer {weight_transfer!r}: this engine receives on 'gloo' or 'nccl' (or None)")
         self.weight_transfer, self.weight_timeout_s = weight_transfer, float(weight_timeout_s)
-        if weight_transfer == "gloo":
+        if weight_transfer is not None:
             quiet_vllm()  # before the import below imports vLLM
-            from operators.weights.vllm_gloo import BACKEND
-
-            extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": BACKEND}}
+            extra_llm_kwargs = {**extra_llm_kwargs, "weight_transfer_config": {"backend": transfer_backend(
+                weight_transfer, str(extra_llm_kwargs.get("device", "")))}}
         self.adapter_spec, self.adapters = None, None
         if adapters is not None:
             from operators.engines.adapters import AdapterSlots, AdapterSpec, vllm_lora_options
@@ -276,6 +277,23 @@ class AsyncVLLMEngine(VLLMBase):
             del engine
             gc.collect()  # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit
         self.weight_file.close()
+
+
+def transfer_backend(weight_transfer: str, device: str = "") -> str:
+    """vLLM's weight-transfer backend for `weight_transfer`: 'gloo', our engine (operators/weights/vllm_gloo.py);
+    'nccl', vLLM's NCCL engine, with its communicator over gloo where there is no CUDA (a CPU engine: CI;
+    operators/weights/vllm_nccl.py)."""
+    if weight_transfer == "gloo":
+        from operators.weights.vllm_gloo import BACKEND
+
+        return BACKEND
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return "nccl"
+    from operators.weights.vllm_nccl import BACKEND
+
+    return BACKEND
 
 
 async def _merge(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[TokenDelta]:

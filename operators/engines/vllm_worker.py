@@ -5,12 +5,12 @@ Loading weights through a named method needs neither a pickled function nor
 path (msgpack), and each worker reads the tensors itself.
 
 Importing this module (vLLM does, in every worker, before the model loads) also registers the weight
-plane's gloo backend with vLLM's factory (operators/weights/vllm_gloo.py).
+plane's gloo backend and the NCCL-over-gloo backend with vLLM's factories (operators/weights/vllm_gloo.py, vllm_nccl.py).
 """
 
 from __future__ import annotations
 
-from operators.weights import vllm_gloo  # noqa: F401  (registers the `streamrl_gloo` backend)
+from operators.weights import vllm_gloo, vllm_nccl  # noqa: F401  (register the `streamrl_gloo` and `streamrl_nccl_gloo` backends)
 
 
 class WeightLoader:
@@ -30,3 +30,12 @@ class WeightLoader:
         """What the last weight-plane update checked (vllm_gloo.GlooWeightTransferEngine.report)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "report", {}) or {})
+
+    def check_weights(self, digests: dict, dtypes: dict, shapes: dict) -> dict:
+        """Compare what this worker's model keeps as the trainer sent it with the trainer's digests
+        (operators/weights/checksums.py applied_mismatches): {checked, mismatches}."""
+        from operators.weights.checksums import applied_mismatches
+
+        checked, bad = applied_mismatches(self.model_runner.model, digests, dtypes,
+                                          {name: tuple(shape) for name, shape in shapes.items()})
+        return {"checked": checked, "mismatches": bad}
