@@ -113,3 +113,48 @@ def test_vllm_nccl_engine_over_gloo_serves_the_trainers_weights(host, tiny_model
     finally:
         engine.shutdown()
         ray.get(host.shutdown_weight_transfer_engine.remote())
+
+
+def test_two_zero3_ranks_send_through_vllms_nccl_engine(host, tiny_model_path, probe_ids):
+    """Two DeepSpeed ZeRO-3 ranks with every parameter partitioned (threshold 0): rank 0 sends, rank 1 joins each
+    module's gather; vLLM's trainer engine checks every tensor the walk yields against `metadata()` (worked out
+    with nothing gathered) as it sends, and the engine ends up serving the trainer's weights. The engine first
+    gets perturbed weights from a plain model, so that serving the pretrained ones afterwards proves the send."""
+    import ray
+    import torch
+
+    from operators.weights.probe import module_scorer
+    from operators.workers.deepspeed_setup import free_port
+    from pipelines.config.load import load_config
+    from pipelines.runtime.policy_store import create_policy_store
+    from pipelines.runtime.trainer_group import start_trainer_group
+
+    pretrained = trainer_model(tiny_model_path)
+    expected = np.asarray(module_scorer(torch, pretrained, torch.device("cpu"))(probe_ids))
+    plain = trainer_model(tiny_model_path)
+    perturb(plain, 31)
+    engine = connect(host, plain, packed=True)
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+        ray.get(host.shutdown_weight_transfer_engine.remote())
+    assert np.abs(np.asarray(ray.get(host.score.remote(probe_ids))) - expected).mean() > 1e-2
+
+    cfg = load_config(None, ["train.world_size=2", "train.zero_stage=3", "train.zero3_persistence_threshold=0",
+                             "train.num_cpus=0.4", "rollout.probe_every=0"])
+    store = create_policy_store("nccl-path-zero3")
+    workers, _ = start_trainer_group(cfg, tiny_model_path, store)
+    try:
+        init = {"host": "127.0.0.1", "port": free_port(), "workers": 1, "timeout_s": 60, "buffer_bytes": 1 << 16}
+        ray.get([w.join_weight_sync.remote([host], init) for w in workers])
+        held = ray.get([w.send_weight_sync.remote() for w in workers])
+        assert len(held) == 2 and all(s > 0 for s in held)
+        np.testing.assert_allclose(ray.get(host.score.remote(probe_ids)), expected, atol=1e-4)
+        reports = ray.get(host.check_weights.remote(*digests(pretrained)))
+        assert all(r["checked"] > 0 and r["mismatches"] == [] for r in reports), reports
+    finally:
+        store.kill()
+        for actor in workers:
+            ray.kill(actor)
+        ray.get(host.shutdown_weight_transfer_engine.remote())
