@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from operators.weights.plane import WeightTransferError
 from operators.weights.source import TrainerWeights, vllm_weight_source
 
 
@@ -58,6 +59,7 @@ class SyncSender:
         if rank == 0 and not engines:
             raise ValueError("the nccl weight path needs at least one engine to send to")
         self.rank, self.records = rank, []
+        self.engines, self.timeout_s = len(engines), float(init.get("timeout_s", 300.0))
         info = trainer_init_info(trainer_backend(device_type), rank=rank, **init)
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=RayVLLMWeightSyncClient(list(engines)), source=vllm_weight_source(weights))
@@ -65,7 +67,16 @@ class SyncSender:
     def send(self) -> float:
         """One update (a collective over the trainer ranks); the seconds this rank was held."""
         start = time.perf_counter()
-        self.engine.send_weights()
+        try:
+            self.engine.send_weights()
+        except Exception as err:
+            # vLLM's engine leaves the communicator unusable after a failed round (the peers may be stuck in the
+            # matching broadcast): the caller tears the attempt down and restarts from the last checkpoint
+            raise WeightTransferError(
+                f"trainer rank {self.rank}: the weight update to {self.engines} engine(s) failed after "
+                f"{time.perf_counter() - start:.1f}s ({self.timeout_s:.0f}s allowed per wait, "
+                f"rollout.weight_timeout_s): an engine stopped receiving or died: {type(err).__name__}: {err}"
+            ) from err
         seconds = time.perf_counter() - start
         self.records.append({"seconds": seconds})
         return seconds

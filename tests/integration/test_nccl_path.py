@@ -158,3 +158,57 @@ def test_two_zero3_ranks_send_through_vllms_nccl_engine(host, tiny_model_path, p
         for actor in workers:
             ray.kill(actor)
         ray.get(host.shutdown_weight_transfer_engine.remote())
+
+
+class SilentEngineClient:
+    """vLLM's Ray client, but `update_weights` never reaches the engine: an engine that stopped receiving."""
+
+    def __init__(self, host):
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+        self.client = RayVLLMWeightSyncClient(host)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def update_weights(self, update_info) -> None:
+        return None
+
+
+def test_a_transfer_nobody_receives_times_out_and_the_engine_takes_the_next_one(host, tiny_model_path, probe_ids):
+    """The engine never enters its receive: the trainer's broadcast gives up after rollout.weight_timeout_s with
+    an error that says so (no hang); the engine, resumed, then takes a whole new update on a new communicator and
+    serves it."""
+    import ray
+    import torch
+
+    from operators.weights.buckets import named_weights
+    from operators.weights.nccl_plane import SyncSender
+    from operators.weights.plane import WeightTransferError
+    from operators.weights.probe import module_scorer
+    from operators.weights.source import TrainerWeights
+    from operators.workers.deepspeed_setup import free_port
+
+    model = trainer_model(tiny_model_path)
+    perturb(model, 41)
+    init = {"host": "127.0.0.1", "port": free_port(), "workers": 1, "timeout_s": 5, "buffer_bytes": 1 << 16}
+    sender = SyncSender(TrainerWeights(model, lambda: named_weights(model)), 0, "cpu", [host], init)
+    sender.engine.client = SilentEngineClient(host)
+    pauses = len(ray.get(host.paused_seconds.remote()))
+    try:
+        with pytest.raises(WeightTransferError, match="rollout.weight_timeout_s"):
+            sender.send()
+    finally:
+        sender.close()
+    ray.get(host.finish_weight_update.remote())  # what the attempt's teardown does: the engine resumes
+    ray.get(host.shutdown_weight_transfer_engine.remote())
+    assert len(ray.get(host.paused_seconds.remote())) == pauses + 1
+
+    engine = connect(host, model, packed=True)
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+        ray.get(host.shutdown_weight_transfer_engine.remote())
+    trained = np.asarray(module_scorer(torch, model, torch.device("cpu"))(probe_ids))
+    np.testing.assert_allclose(ray.get(host.score.remote(probe_ids)), trained, atol=1e-4)
