@@ -188,7 +188,7 @@ def race(config: str, overrides: list[str], modes: list[str], seeds: int, every:
     out = results / f"{name}_race.json"
     if resume and out.exists():
         record = resumed(json.loads(out.read_text()), record, echo)
-    for mode in modes:
+    for mode in modes:  # this invocation's modes and seeds; the record may hold more (resumed)
         for seed in range(seeds):
             if any(run["mode"] == mode and run["seed"] == seed for run in record["runs"]):
                 continue
@@ -210,7 +210,7 @@ def race(config: str, overrides: list[str], modes: list[str], seeds: int, every:
     for mode, figures in record["headline"].items():
         echo(f"race: max_staleness {mode}: to {figures['rise_threshold']:.3f} "
              f"{race_curves.say(figures['median_wall_s_to_rise'])}, to {TARGET} "
-             f"{race_curves.say(figures['median_wall_s_to_target'])} (median of {seeds})")
+             f"{race_curves.say(figures['median_wall_s_to_target'])} (median of {len(figures['wall_s_to_rise'])})")
     echo(f"race: {out}, {results / f'{name}_race.png'}")
     return record
 
@@ -228,7 +228,13 @@ def resumed(earlier: dict, record: dict, echo=print) -> dict:
     kept = {key: earlier[key] for key in ("runs", "step0", "step0_accuracy") if key in earlier}
     dates = sorted({earlier["date"], *earlier.get("continued", [])})
     echo(f"race: continuing {len(kept['runs'])} run(s) of {earlier['date']}")
-    return {**record, **kept, "date": dates[0], "continued": [*dates[1:], record["date"]]}
+    # the record covers every mode raced under this name, not only this invocation's (--modes plain added to a
+    # record of the default mode keeps the default's curve and headline)
+    modes = [*earlier.get("modes", []), *(mode for mode in record["modes"] if mode not in earlier.get("modes", []))]
+    commands = [*earlier.get("commands", [earlier["command"]]), record["command"]]
+    return {**record, **kept, "modes": modes, "seeds": max(int(earlier.get("seeds", 0)), int(record["seeds"])),
+            "command": commands[0], "commands": commands, "date": dates[0],
+            "continued": [*dates[1:], record["date"]]}
 
 
 def _overrides(command: str) -> list[str]:

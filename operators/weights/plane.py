@@ -15,8 +15,11 @@ and the planes' registry. Two planes today:
   workers stage the bytes; the receiver learns of each delivery from the store and the engine applies
   what its workers staged.
 
-NCCL and CUDA IPC (vLLM's own engines) and LoRA adapters are the next planes: each is a sender and a
-receiver with this shape, picked in operators/weights/planes.py from `rollout.weight_transfer`.
+NCCL and CUDA IPC (vLLM's own engines) are the next planes: each is a sender and a receiver with this
+shape, picked in operators/weights/planes.py from `rollout.weight_transfer`. vLLM's NCCL engines already run
+here with their communicator over gloo (operators/weights/vllm_nccl.py, the trainer ranks' side in
+operators/weights/nccl_plane.py, the engine's in operators/engines/weight_sync.py), tested as parts; a job
+does not use them yet (docs/deploy.md says what is missing).
 """
 
 from __future__ import annotations

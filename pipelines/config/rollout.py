@@ -147,7 +147,8 @@ class RolloutConfig(Section):
         "weights, in the training dtype, to every engine at once; the engines receive while they decode and pause "
         "only to apply; no files, no object store. 'object_store': each version through Ray's object store, "
         "pulled by each engine (the HF engine's path, and the path before the weight plane). 'nccl' (engines on "
-        "GPUs of their own) and 'ipc' (an engine on a trainer's GPU) are vLLM's GPU backends, not wired yet. "
+        "GPUs of their own) and 'ipc' (an engine on a trainer's GPU) are vLLM's GPU backends, not wired into a job "
+        "yet (vLLM's NCCL engines run in CI as parts, over gloo: docs/deploy.md). "
         "'auto': gloo for vLLM's in-flight engine on CPUs, object_store otherwise (GPUs until nccl is wired; "
         "the HF engine; in_flight: false; LoRA adapters, rollout.lora_adapters)."
     )

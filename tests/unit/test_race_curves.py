@@ -50,3 +50,21 @@ def test_the_answered_scores_are_the_seeds_median_when_the_runs_have_them():
     point = mode_curve(runs)[0]
     assert point["answered_rate"] == 0.25 and point["accuracy_among_answered"] == 0.4
     assert "answered_rate" not in mode_curve([run([(4, 1.0, 0.5)])])[0]
+
+
+def test_a_continued_race_keeps_every_mode_it_raced_and_its_commands():
+    """`race --continue --modes plain` on a record of the default mode: the record covers both modes (their curves
+    and headlines), keeps the earlier runs, the first command and every command since."""
+    from benchmarks.race import resumed
+
+    earlier = {"config": "c.yaml", "every": 4, "modes": ["default"], "seeds": 3, "date": "d1",
+               "command": "python benchmarks/real_model.py race c.yaml --modes default --seeds 3 --set a=1",
+               "runs": [{"mode": "default", "seed": s} for s in range(3)], "step0": {"accuracy": 0.2},
+               "step0_accuracy": 0.2}
+    now = {"config": "c.yaml", "every": 4, "modes": ["plain"], "seeds": 1, "date": "d2", "runs": [],
+           "command": "python benchmarks/real_model.py race c.yaml --modes plain --seeds 1 --set a=1"}
+    record = resumed(earlier, now, echo=lambda *_: None)
+    assert record["modes"] == ["default", "plain"] and record["seeds"] == 3
+    assert record["runs"] == earlier["runs"] and record["step0_accuracy"] == 0.2
+    assert record["command"] == earlier["command"] and record["commands"] == [earlier["command"], now["command"]]
+    assert record["date"] == "d1" and record["continued"] == ["d2"]
