@@ -1,6 +1,6 @@
 """The trainer ranks' side of the `nccl` weight path: vLLM's trainer-side NCCL engine over a rank's weights.
 
-Every trainer rank makes a `SyncSender` (ZeRO-3's gathers are collectives: every rank iterates the source in
+Every trainer rank makes a `SyncSender` (`rank_sender`; ZeRO-3's gathers are collectives: every rank iterates the source in
 lockstep); rank 0 opens the communicator with the engines and drives them through vLLM's `RayVLLMWeightSyncClient`
 (Ray actors with vLLM's weight-sync surface: operators/engines/weight_sync.py, which pause decoding for the
 update). `send()` is vLLM's `send_weights`: the source's `metadata()` (nothing gathered, operators/weights/source.py)
@@ -83,3 +83,9 @@ class SyncSender:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def rank_sender(module, walk, lora: bool, rank: int, device_type: str, engines: list, init: dict) -> SyncSender:
+    """A trainer rank's SyncSender over `module`'s weights: `walk()` is the rank's weight walk (a Publisher's
+    `weights`: buckets.named_weights, or lora_merge.merged_weights with LoRA)."""
+    return SyncSender(TrainerWeights(module, walk, lora=lora), rank, device_type, engines, init)

@@ -103,7 +103,6 @@ class TrainWorker:
             model_path=settings.model_path, trust_remote_code=settings.trust_remote_code,
             adapter=functools.partial(save_adapter, self.engine.module, gathered, settings.model_path, rank)
             if settings.lora else None)
-        self._sync_sender = None  # the nccl weight path's sender, once joined (join_weight_sync)
         self.initialised_at = time.time()  # wall clock: when this rank was up (the job's start-up report)
 
     def _build_model(self, settings: TrainerSettings):
@@ -138,22 +137,6 @@ class TrainWorker:
     def weight_buckets(self):
         """The weights in the training dtype (the module's: bf16 under train.dtype bf16), bucketed."""
         return self.publisher.buckets()
-
-    def join_weight_sync(self, engines: list, init: dict) -> None:
-        """Every rank: the `nccl` weight path's sender over this rank's weight walk (operators/weights/nccl_plane.py):
-        vLLM's trainer-side NCCL engine (its gloo stand-in on a CPU); rank 0 opens the communicator with `engines`
-        (actors of operators/engines/weight_sync.py). `init`: host, port, workers, timeout_s, packing."""
-        from operators.weights.nccl_plane import SyncSender
-        from operators.weights.source import TrainerWeights
-
-        weights = TrainerWeights(self.engine.module, self._named_weights, lora=self.settings.lora is not None)
-        self._sync_sender = SyncSender(weights, self.rank, self.device.type, engines, init)
-
-    def send_weight_sync(self) -> float:
-        """Every rank (a collective under ZeRO-3): this version to the joined engines; the seconds held."""
-        if self._sync_sender is None:
-            raise RuntimeError("send_weight_sync before join_weight_sync: no engines to send to")
-        return self._sync_sender.send()
 
     def _publish(self) -> float:
         """Publish this rank's policy version (publisher.publish); the seconds this rank was held."""

@@ -76,6 +76,18 @@ def connect(host, model, packed: bool):
     return WeightTransferTrainerFactory.trainer_init(info, client=RayVLLMWeightSyncClient(host), source=source)
 
 
+def send_once(host, model) -> None:
+    """One packed update of `model`'s weights to `host` on a communicator of its own, closed after."""
+    import ray
+
+    engine = connect(host, model, packed=True)
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+        ray.get(host.shutdown_weight_transfer_engine.remote())
+
+
 def digests(model) -> tuple[dict, dict, dict]:
     from operators.weights.buckets import named_weights
     from operators.weights.checksums import digest
@@ -133,12 +145,7 @@ def test_two_zero3_ranks_send_through_vllms_nccl_engine(host, tiny_model_path, p
     expected = np.asarray(module_scorer(torch, pretrained, torch.device("cpu"))(probe_ids))
     plain = trainer_model(tiny_model_path)
     perturb(plain, 31)
-    engine = connect(host, plain, packed=True)
-    try:
-        engine.send_weights()
-    finally:
-        engine.shutdown()
-        ray.get(host.shutdown_weight_transfer_engine.remote())
+    send_once(host, plain)
     assert np.abs(np.asarray(ray.get(host.score.remote(probe_ids))) - expected).mean() > 1e-2
 
     cfg = load_config(None, ["train.world_size=2", "train.zero_stage=3", "train.zero3_persistence_threshold=0",
@@ -147,8 +154,17 @@ def test_two_zero3_ranks_send_through_vllms_nccl_engine(host, tiny_model_path, p
     workers, _ = start_trainer_group(cfg, tiny_model_path, store)
     try:
         init = {"host": "127.0.0.1", "port": free_port(), "workers": 1, "timeout_s": 60, "buffer_bytes": 1 << 16}
-        ray.get([w.join_weight_sync.remote([host], init) for w in workers])
-        held = ray.get([w.send_weight_sync.remote() for w in workers])
+        # each rank's sender, made and driven inside the rank's actor (Ray's __ray_call__, with functions defined
+        # here: pickled by value): the job's wiring is not built yet (docs/deploy.md), so no TrainWorker method does it
+        def join_sync(worker, engines: list, init: dict) -> None:
+            from operators.weights.nccl_plane import rank_sender
+
+            worker.nccl_path_sender = rank_sender(worker.engine.module, worker.publisher.weights,
+                                                  worker.settings.lora is not None, worker.rank, worker.device.type,
+                                                  engines, init)
+
+        ray.get([w.__ray_call__.remote(join_sync, [host], init) for w in workers])
+        held = ray.get([w.__ray_call__.remote(lambda worker: worker.nccl_path_sender.send()) for w in workers])
         assert len(held) == 2 and all(s > 0 for s in held)
         np.testing.assert_allclose(ray.get(host.score.remote(probe_ids)), expected, atol=1e-4)
         reports = ray.get(host.check_weights.remote(*digests(pretrained)))
@@ -204,11 +220,6 @@ def test_a_transfer_nobody_receives_times_out_and_the_engine_takes_the_next_one(
     ray.get(host.shutdown_weight_transfer_engine.remote())
     assert len(ray.get(host.paused_seconds.remote())) == pauses + 1
 
-    engine = connect(host, model, packed=True)
-    try:
-        engine.send_weights()
-    finally:
-        engine.shutdown()
-        ray.get(host.shutdown_weight_transfer_engine.remote())
+    send_once(host, model)
     trained = np.asarray(module_scorer(torch, model, torch.device("cpu"))(probe_ids))
     np.testing.assert_allclose(ray.get(host.score.remote(probe_ids)), trained, atol=1e-4)
