@@ -289,11 +289,9 @@ def transfer_backend(weight_transfer: str, device: str = "") -> str:
         return BACKEND
     import torch
 
-    if device != "cpu" and torch.cuda.is_available():
-        return "nccl"
-    from operators.weights.vllm_nccl import BACKEND
+    from operators.weights.nccl_plane import nccl_backend
 
-    return BACKEND
+    return nccl_backend("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 async def _merge(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[TokenDelta]:

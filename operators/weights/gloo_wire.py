@@ -43,12 +43,12 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     return ProcessGroupGloo(PrefixStore(WIRE_PREFIX, store), rank, world_size, timedelta(seconds=timeout_s))
 
 
-def post_broadcast(group, tensor, timeout_s: float):
-    """Start a broadcast from rank 0 of `group`; the Work to wait on."""
+def post_broadcast(group, tensor, timeout_s: float, root: int = 0):
+    """Start a broadcast from rank `root` of `group`; the Work to wait on."""
     from torch.distributed import BroadcastOptions
 
     options = BroadcastOptions()
-    options.rootRank, options.rootTensor = 0, 0
+    options.rootRank, options.rootTensor = int(root), 0
     options.timeout = timedelta(seconds=timeout_s)
     return group.broadcast([tensor], options)
 

@@ -20,8 +20,9 @@ from operators.weights.plane import WeightTransferError
 from operators.weights.source import TrainerWeights, vllm_weight_source
 
 
-def trainer_backend(device_type: str) -> str:
-    """vLLM's `nccl` on a CUDA rank; the gloo stand-in elsewhere."""
+def nccl_backend(device_type: str) -> str:
+    """vLLM's backend for the nccl path on a `device_type` process (a trainer rank or an engine): vLLM's `nccl`
+    on CUDA; the gloo stand-in elsewhere."""
     if device_type == "cuda":
         return "nccl"
     from operators.weights.vllm_nccl import BACKEND
@@ -58,9 +59,9 @@ class SyncSender:
 
         if rank == 0 and not engines:
             raise ValueError("the nccl weight path needs at least one engine to send to")
-        self.rank, self.records = rank, []
+        self.rank = rank
         self.engines, self.timeout_s = len(engines), float(init.get("timeout_s", 300.0))
-        info = trainer_init_info(trainer_backend(device_type), rank=rank, **init)
+        info = trainer_init_info(nccl_backend(device_type), rank=rank, **init)
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=RayVLLMWeightSyncClient(list(engines)), source=vllm_weight_source(weights))
 
@@ -77,9 +78,7 @@ class SyncSender:
                 f"{time.perf_counter() - start:.1f}s ({self.timeout_s:.0f}s allowed per wait, "
                 f"rollout.weight_timeout_s): an engine stopped receiving or died: {type(err).__name__}: {err}"
             ) from err
-        seconds = time.perf_counter() - start
-        self.records.append({"seconds": seconds})
-        return seconds
+        return time.perf_counter() - start
 
     def close(self) -> None:
         self.engine.shutdown()

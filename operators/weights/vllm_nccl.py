@@ -41,6 +41,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferEngine,
 )
 
+from operators.weights.gloo_wire import post_broadcast
+
 BACKEND = "streamrl_nccl_gloo"
 STORE_PREFIX = "streamrl-nccl-gloo"
 
@@ -59,14 +61,9 @@ class GlooCommunicator:
         self.group = ProcessGroupGloo(PrefixStore(STORE_PREFIX, self._store), self.rank, self.world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
-        from torch.distributed import BroadcastOptions
-
         if self.group is None:
             raise RuntimeError("the weight-transfer group was destroyed")
-        options = BroadcastOptions()
-        options.rootRank, options.rootTensor = int(src), 0
-        options.timeout = timedelta(seconds=self.timeout_s)
-        self.group.broadcast([tensor], options).wait()
+        post_broadcast(self.group, tensor, self.timeout_s, root=src).wait()
 
     def destroy(self) -> None:
         self.group, self._store = None, None
