@@ -32,6 +32,30 @@ def vllm_lora_rank(r: int) -> int:
     raise ValueError(f"train.lora.r {r} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
 
 
+def vllm_lora_unsupported(model_folder: str) -> str | None:
+    """The architecture of the model in `model_folder` when vLLM serves it with a model class that cannot take
+    LoRA adapters (GPT2LMHeadModel, BloomForCausalLM, ... in vLLM 0.32), else None: read from config.json and
+    vLLM's model registry, nothing built. An architecture vLLM does not list runs on its Transformers backend,
+    which takes adapters; a config without `architectures` says nothing either.
+
+    vLLM's `ModelRegistry` is public; its `models` table (architecture -> a lazily imported class) is not part
+    of the documented surface, and no public call answers "does this architecture take LoRA" without a whole
+    ModelConfig (vLLM's own check, `supports_lora(model)`, runs when the engine loads the model)."""
+    try:
+        with open(os.path.join(model_folder, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import supports_lora
+
+    for arch in architectures:
+        registered = ModelRegistry.models.get(arch)  # private table (see above)
+        if registered is not None and not supports_lora(registered.load_model_cls()):
+            return arch
+    return None
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """What an engine needs to turn a version's adapter tensors into an adapter folder: train.lora's fields and

@@ -51,7 +51,8 @@ from operators.engines.engine_slots import EngineSlots
 from operators.engines.episodes import EpisodeRunner
 from operators.engines.rollout_records import GroupResult, UpdateRecord
 from operators.common.faults import FaultPoints
-from operators.weights.plane import Incoming
+from operators.weights.checksums import file_mismatches
+from operators.weights.plane import Incoming, WeightMismatch
 from operators.weights.planes import receiver_for
 from operators.weights.probe import check_served
 
@@ -147,9 +148,11 @@ class RolloutLoop:
                 f"no policy version >= {min_version} was loaded within {timeout_s}s (loaded: {self.version})"
             ) from None
 
-    def load_policy(self, version: int, state_dict: Mapping[str, np.ndarray]) -> UpdateRecord:
-        """Load `version` now (no store: an evaluator, a test), with the same pause as the watcher."""
-        return self._run(self._load(Incoming(version, state_dict))).result()
+    def load_policy(self, version: int, state_dict: Mapping[str, np.ndarray],
+                    digests: dict[str, str] | None = None) -> UpdateRecord:
+        """Load `version` now (no store: an evaluator, a test), with the same pause as the watcher; with the
+        trainer's `digests`, the file written for the engine is checked against them."""
+        return self._run(self._load(Incoming(version, state_dict, digests=digests))).result()
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -224,20 +227,39 @@ class RolloutLoop:
             return await self._swap(incoming.version, lambda: self.engine.apply_received(incoming.version),
                                     incoming.pull_s, 0.0)
         start = time.perf_counter()
-        prepared = await asyncio.get_running_loop().run_in_executor(None, self.engine.prepare_weights,
-                                                                    incoming.weights)
+        prepared, checked = await asyncio.get_running_loop().run_in_executor(
+            None, self._prepare_checked, self.engine.prepare_weights, incoming)
         incoming.weights = None  # the engine's copy is all that is kept
         prepare_s = time.perf_counter() - start
-        return await self._swap(incoming.version, lambda: self.engine.load_prepared(prepared), incoming.pull_s,
-                                prepare_s)
+        record = await self._swap(incoming.version, lambda: self.engine.load_prepared(prepared), incoming.pull_s,
+                                  prepare_s)
+        if incoming.digests:  # the object-store plane's verified version: pulled bytes and written file checked
+            record.verified, record.checked = True, checked
+        return record
+
+    def _prepare_checked(self, prepare: Callable, incoming: Incoming, *first) -> tuple[object, int]:
+        """`prepare(*first, weights)` (runs beside decoding); on a verified version the file it wrote for the
+        engine to load (full weights, or a LoRA adapter's folder) is checked against the trainer's digests.
+        (what prepare returned, the tensors checked: received and written)."""
+        prepared = prepare(*first, incoming.weights)
+        if not incoming.digests or not isinstance(prepared, str):
+            return prepared, incoming.checked
+        checked, bad = file_mismatches(prepared, incoming.digests)
+        if bad:
+            raise WeightMismatch(
+                f"engine {self.name}: policy version {incoming.version} as written for the engine to load "
+                f"({prepared}) does not match the trainer's checksums: {len(bad)} tensors differ "
+                f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). The attempt stops rather than sample "
+                "from weights nobody trained")
+        return prepared, incoming.checked + checked
 
     async def _add_adapter(self, incoming: Incoming) -> UpdateRecord:
         """A version as a LoRA adapter: written and added while decoding goes on; requests in flight finish on
         the adapter they started with (their tokens say so: TokenDelta.version), new ones take this one. The
         engine's adapter and the loop's version change together, with no await between them."""
         start = time.perf_counter()
-        prepared = await asyncio.get_running_loop().run_in_executor(
-            None, self.engine.prepare_adapter, incoming.version, incoming.weights)
+        prepared, checked = await asyncio.get_running_loop().run_in_executor(
+            None, self._prepare_checked, self.engine.prepare_adapter, incoming, incoming.version)
         incoming.weights = None
         prepared_at = time.perf_counter()
         async with self._swap_lock:
@@ -248,7 +270,7 @@ class RolloutLoop:
                 self.slots.set_version(incoming.version)
         end = time.perf_counter()
         return UpdateRecord(incoming.version, incoming.pull_s, prepared_at - start, 0.0, end - prepared_at, 0.0,
-                            self.slots.in_flight)
+                            self.slots.in_flight, verified=bool(incoming.digests), checked=checked)
 
     async def _swap(self, version: int, apply: Callable[[], Awaitable[dict | None]], pull_s: float,
                     prepare_s: float) -> UpdateRecord:

@@ -1,14 +1,20 @@
 """Checksums of a policy version: what proves that an engine holds the weights the trainer sent.
 
 The trainer's sender computes a sha256 per tensor, of the bytes as they travel (the training dtype), for a
-verified update (operators/weights/gloo_plane.py); an engine's receiver checks the bytes it got
-(`transport_mismatches`) and, after the load, the tensors its model keeps as the trainer sent them
-(`applied_mismatches`; operators/weights/vllm_gloo.py).
+verified update: the first version and every `rollout.verify_weights_every`-th. An engine's receiver checks the
+bytes it got (`transport_mismatches`). On the gloo plane (operators/weights/gloo_plane.py, vllm_gloo.py) the
+engine then checks the tensors its model keeps as the trainer sent them (`applied_mismatches`); on the
+object-store plane (operators/weights/object_store.py, the digests in the version's manifest) vLLM loads a
+file written from the received bytes, full weights or a LoRA adapter's folder, and the rollout loop checks
+that file before the engine loads it (`file_mismatches`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import struct
 from typing import Iterable
 
 import numpy as np
@@ -29,6 +35,28 @@ def transport_mismatches(buckets: list[WeightBucket], digests: dict[str, str]) -
     """Names whose received bytes differ from the trainer's digest (or that did not arrive)."""
     got = digests_of(buckets)
     return [f"{name} (received)" for name, expected in digests.items() if got.get(name) != expected]
+
+
+def file_mismatches(path: str, digests: dict[str, str]) -> tuple[int, list[str]]:
+    """Compare the tensors of a safetensors file (or of a LoRA adapter folder's adapter_model.safetensors) with
+    the trainer's digests, byte for byte as stored: (checked count, mismatching or missing names)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "adapter_model.safetensors")
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        base, bad, checked = 8 + size, [], 0
+        for name, expected in digests.items():
+            entry = header.get(name)
+            if entry is None:
+                bad.append(f"{name} (written)")
+                continue
+            start, end = entry["data_offsets"]
+            f.seek(base + start)
+            checked += 1
+            if hashlib.sha256(f.read(end - start)).hexdigest() != expected:
+                bad.append(f"{name} (written)")
+    return checked, bad
 
 
 def applied_mismatches(model, digests: dict[str, str], dtypes: dict[str, str],

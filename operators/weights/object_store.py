@@ -2,7 +2,9 @@
 
 Rank 0 puts each bucket (an engine reads it zero-copy from its node's store) and publishes a small
 `WeightManifest` naming them; the policy store keeps the latest manifest's reference (and those an
-evaluator will read). Any engine takes this plane: the HF engine loads the buckets' tensors, vLLM a
+evaluator will read). On a verified version (the first, then every `rollout.verify_weights_every`-th) the
+manifest carries the trainer's sha256 of every tensor, and a receiver checks the bytes it pulled against
+them before its engine sees them (operators/weights/checksums.py). Any engine takes this plane: the HF engine loads the buckets' tensors, vLLM a
 safetensors file written from them, the critic's Value stage a state dict. See operators/weights/plane.py
 for the protocol; the gloo plane (gloo_plane.py) uses `put_manifest` too, for versions an evaluator reads.
 """
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from operators.weights.buckets import WeightBucket, WeightSet, non_finite
-from operators.weights.plane import Incoming
+from operators.weights.checksums import digests_of, transport_mismatches
+from operators.weights.plane import Incoming, WeightMismatch
 
 
 @dataclass
@@ -26,6 +29,7 @@ class WeightManifest:
     nbytes: int
     tensors: int
     handles: list = field(default_factory=list)  # ObjectStoreTransport: one ObjectRef per bucket
+    digests: dict[str, str] | None = None  # a verified version: name -> sha256 of the bytes as they travel
 
 
 class ObjectStoreTransport:
@@ -86,22 +90,46 @@ def fetch(ref) -> Any:
     return received(ray.get(ref))
 
 
-def put_manifest(buckets: list[WeightBucket]):
-    """Put the buckets in the object store; the reference of their manifest (what the store keeps)."""
+def put_manifest(buckets: list[WeightBucket], digests: dict[str, str] | None = None):
+    """Put the buckets in the object store; the reference of their manifest (what the store keeps), with the
+    trainer's `digests` on a verified version."""
     import ray
 
-    return ray.put(ObjectStoreTransport().send(buckets, check_finite=False)[0])
+    manifest = ObjectStoreTransport().send(buckets, check_finite=False)[0]
+    manifest.digests = digests
+    return ray.put(manifest)
+
+
+def checked_incoming(version: int, published: Any, weights: Any, pull_s: float) -> Incoming:
+    """The version as its engine gets it, after the pulled bytes were checked against the manifest's digests
+    (a verified version); WeightMismatch names the tensors that differ."""
+    digests = getattr(published, "digests", None)
+    if not digests:
+        return Incoming(version, weights, pull_s)
+    bad = transport_mismatches(weights.buckets, digests)
+    if bad:
+        raise WeightMismatch(
+            f"policy version {version} pulled from the object store does not match the trainer's checksums: "
+            f"{len(bad)} tensors differ ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). The attempt stops "
+            "rather than sample from weights nobody trained; if it repeats, report it with this message")
+    return Incoming(version, weights, pull_s, digests, len(digests))
 
 
 class ObjectStoreSender:
-    """The trainer's side: put the buckets, publish the version with its manifest. Nothing runs in the
-    background, so the trainer is never held for an earlier version (`send` returns 0 s waited)."""
+    """The trainer's side: put the buckets, publish the version with its manifest (and its checksums on the
+    first version and every `verify_every`-th: 0 only the first). Nothing runs in the background, so the
+    trainer is never held for an earlier version (`send` returns 0 s waited)."""
 
-    def __init__(self, store):
+    def __init__(self, store, verify_every: int = 0):
         self.store = store  # a PolicyStoreClient
+        self.verify_every = verify_every
+        self.sent = 0
 
     def send(self, version: int, buckets: Iterable[WeightBucket]) -> float:
-        self.store.publish(version, put_manifest(list(buckets)))
+        buckets = list(buckets)
+        verify = self.sent == 0 or (self.verify_every and self.sent % self.verify_every == 0)
+        self.store.publish(version, put_manifest(buckets, digests_of(buckets) if verify else None))
+        self.sent += 1
         return 0.0
 
     def flush(self) -> None:
@@ -130,8 +158,15 @@ class ObjectStoreReceiver:
         version, ref = await self.store.latest_async()
         if version <= after or ref is None:
             return None
-        weights = await received_async(await ref)  # the manifest, then its buckets
-        return Incoming(version, weights, time.perf_counter() - start)
+        published = await ref  # the manifest, then its buckets
+        weights = await received_async(published)
+        pull_s = time.perf_counter() - start
+        if not getattr(published, "digests", None):
+            return Incoming(version, weights, pull_s)
+        import asyncio  # hashing a whole model takes a while: off the loop that streams the tokens
+
+        return await asyncio.get_running_loop().run_in_executor(
+            None, checked_incoming, version, published, weights, pull_s)
 
     def newest(self, after: int, at_least: int | None = None, timeout_s: float | None = None) -> Incoming | None:
         """Call-synchronous engines (HF, the critic): wait until a version >= `at_least` is published (None:
@@ -140,6 +175,10 @@ class ObjectStoreReceiver:
         latest = self.store.version() if at_least is None else self.store.wait_for_version(at_least, timeout_s)
         if latest <= after:
             return None
+        import ray
+
         start = time.perf_counter()
         version, ref = self.store.latest()
-        return Incoming(version, fetch(ref), time.perf_counter() - start)
+        published = ray.get(ref)
+        weights = received(published)
+        return checked_incoming(version, published, weights, time.perf_counter() - start)

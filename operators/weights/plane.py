@@ -44,11 +44,16 @@ class Incoming:
 
     `weights`: the version's weights, pulled (the object-store plane), or None when the engine's own
     receivers already staged them (the gloo plane): the engine applies them with `apply_received`.
-    `pull_s`: the seconds the pull took (overlapped with decoding on the in-flight path)."""
+    `pull_s`: the seconds the pull took (overlapped with decoding on the in-flight path). `digests`: the
+    trainer's checksums on a verified version of the object-store plane (the pull already matched them; the
+    file an engine writes from the weights is checked against them too), else None. `checked`: the tensors
+    whose received bytes were checked."""
 
     version: int
     weights: WeightSet | None = None
     pull_s: float = 0.0
+    digests: dict[str, str] | None = None
+    checked: int = 0
 
     @property
     def staged(self) -> bool:

@@ -22,5 +22,5 @@ def sender_for(plane: str, store, timeout_s: float = 300.0, verify_every: int = 
     if plane == "gloo":
         return GlooSender(store, timeout_s, verify_every, name=name)
     if plane == "object_store":
-        return ObjectStoreSender(store)
+        return ObjectStoreSender(store, verify_every)
     raise ValueError(f"weight plane {plane!r}: use one of {', '.join(PLANES)}")

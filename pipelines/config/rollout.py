@@ -153,8 +153,10 @@ class RolloutConfig(Section):
         "the HF engine; in_flight: false; LoRA adapters, rollout.lora_adapters)."
     )
     verify_weights_every: int = Field(
-        50, ge=0, description="The weight plane: compare the engines' weight checksums with the trainer's on the "
-        "first update and every this many updates after it (0: the first only). A mismatch ends the attempt. "
+        50, ge=0, description="Both planes: compare the engines' weight checksums with the trainer's on the "
+        "first update and every this many updates after it (0: the first only): on the gloo plane the bytes "
+        "received and the tensors vLLM keeps; on the object store the bytes pulled and the file (full weights "
+        "or a LoRA adapter) an engine loads. A mismatch ends the attempt. "
         "Costs a sha256 over the weights on both sides (about 1 s per GB on one CPU core)."
     )
     lora_adapters: Optional[bool] = Field(

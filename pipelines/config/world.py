@@ -177,7 +177,17 @@ def lora_problems(cfg: JobConfig) -> list[str]:
     if missing:
         return [f"train.lora: {missing}"]
     model_folder = _model_folder_at_hand(cfg)
-    if model_folder is None or isinstance(lora.target_modules, str):
+    if model_folder is None:
+        return []
+    if cfg.serves_adapters() and vllm_installed():
+        from operators.engines.adapters import vllm_lora_unsupported
+
+        arch = vllm_lora_unsupported(model_folder)
+        if arch is not None:
+            return [f"train.lora: vLLM cannot serve LoRA adapters for {arch} (model.path {cfg.model.path}); set "
+                    "rollout.lora_adapters: false to send each version's merged weights instead (every weight "
+                    "moves and the engines pause for each update), or choose a model vLLM serves LoRA for"]
+    if isinstance(lora.target_modules, str):
         return []
     names = linear_layer_names(model_folder, cfg.model.trust_remote_code)
     unmatched = unmatched_targets(tuple(lora.target_modules), names)

@@ -73,8 +73,17 @@ def test_versions_as_adapters_load_without_a_pause_and_requests_finish_on_their_
         probe = engine.encode(["12+7=19 3*4=12"])[0]
         base = loop._run(engine.score(probe, "base")).result()
 
-        record = loop.load_policy(1, first_adapter)
+        from operators.weights.buckets import as_weight_set
+        from operators.weights.checksums import digests_of
+        from operators.weights.plane import WeightMismatch
+
+        digests = digests_of(as_weight_set(first_adapter).buckets)  # what a verified version's manifest carries
+        with pytest.raises(WeightMismatch, match="as written for the engine to load"):
+            loop.load_policy(1, first_adapter, digests=dict(digests, **{next(iter(digests)): "0" * 64}))
+        assert engine.adapters.current is None  # refused before vLLM saw it: still the base model
+        record = loop.load_policy(1, first_adapter, digests=digests)
         assert record.pause_s == 0.0 and record.drain_s == 0.0  # no pause: decoding never stopped
+        assert record.verified and record.checked == len(first_adapter)  # the adapter file vLLM loads, checked
         served = loop._run(engine.score(probe, "v1")).result()
         np.testing.assert_allclose(served, token_logprobs(first_model, probe), atol=1e-4)
         assert np.abs(np.array(served) - np.array(base)).mean() > 1e-2  # the adapter is applied

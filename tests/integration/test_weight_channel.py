@@ -231,3 +231,59 @@ def test_weight_folders_of_engines_that_died_are_removed_and_live_ones_kept(tmp_
     live.close()
     assert not live_file.parent.exists()
     os.rmdir(unowned)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verified_versions_carry_checksums_that_the_pull_and_the_written_file_are_checked_against(
+        ray_cluster, tmp_path, dtype):
+    """The object-store plane's checksums (operators/weights/object_store.py): the first version and every
+    verify_every-th carry the trainer's sha256 per tensor in their manifest, through a real policy store; the
+    receiver checks the pulled bytes against them, and the file an engine writes from them (full weights, or a
+    LoRA adapter's folder) is checked byte for byte as stored. A flipped byte is named, not loaded."""
+    from operators.engines.adapters import AdapterSpec, write_adapter
+    from operators.weights.checksums import digests_of, file_mismatches
+    from operators.weights.object_store import ObjectStoreReceiver, ObjectStoreSender, checked_incoming
+    from operators.weights.plane import WeightMismatch
+    from pipelines.runtime.policy_store import create_policy_store
+
+    model = _tiny_llama(tied=False)
+    store = create_policy_store(f"checksums-{dtype}")
+    sender, receiver = ObjectStoreSender(store, verify_every=2), ObjectStoreReceiver(store)
+    try:
+        verified = {}
+        for version in (1, 2, 3, 4):
+            buckets = list(pack_buckets(named_weights(model), bucket_mb=0.01, dtype=dtype))
+            sender.send(version, buckets)
+            incoming = receiver.newest(version - 1)
+            assert incoming.version == version
+            verified[version] = incoming.digests is not None
+            if incoming.digests:
+                assert incoming.digests == digests_of(buckets)
+                assert incoming.checked == len(model.state_dict())
+        assert verified == {1: True, 2: False, 3: True, 4: False}  # the first, then every 2nd sent
+
+        _, ref = store.latest()
+        import ray
+
+        manifest = ray.get(ref)
+        weights = as_weight_set(dict(model.state_dict()))
+        digests = digests_of(weights.buckets)
+        manifest.digests = dict(digests)
+        manifest.digests["model.norm.weight"] = "0" * 64  # the bytes pulled are not what the trainer sent
+        with pytest.raises(WeightMismatch, match=r"policy version 4 .*model.norm.weight \(received\)"):
+            checked_incoming(4, manifest, weights, 0.0)
+
+        path = str(tmp_path / "version.safetensors")
+        weights.write_safetensors(path)
+        adapter = write_adapter(str(tmp_path / "adapter"), weights, AdapterSpec(4, 8.0, "all-linear", "base"))
+        for written in (path, adapter):
+            assert file_mismatches(written, digests) == (len(digests), [])
+        with open(path, "r+b") as f:  # one byte of the last tensor's data, flipped on disk
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+        checked, bad = file_mismatches(path, dict(digests, extra="0" * 64))
+        assert checked == len(digests) and bad == [f"{weights.names()[-1]} (written)", "extra (written)"]
+    finally:
+        store.kill()

