@@ -22,6 +22,12 @@ from operators.engines.rollout_records import Episode, GroupResult
 from operators.environments.environment import Turn, env_step_problem
 
 
+def stopped(text: str, stop: tuple[str, ...], inside: bool) -> bool:
+    """Whether `text` (a turn so far, one token longer than at the last check) completes a stop string: it ends
+    with one, or with `inside` it holds one (checked every token, so the first completion is the newest)."""
+    return any((s in text) if inside else text.endswith(s) for s in stop)
+
+
 class EnvOutputError(ValueError):
     """An environment answered a turn with something that is not a valid EnvStep (env_step_problem)."""
 
@@ -84,7 +90,7 @@ class EpisodeRunner:
                 break
             turn_params = SamplingParams(**{**params.__dict__, "max_new_tokens": min(params.max_new_tokens, budget)})
             turn_seed = (seed + 1_000_003 * index) % (2**31 - 1)
-            ids, lps, vers, ended_by = await self._turn(prompt_ids + tokens, turn_params, turn_seed,
+            ids, lps, vers, ended_by = await self.turn(prompt_ids + tokens, turn_params, turn_seed,
                                                         f"{request_id}.t{index}", stop)
             history = self.engine.decode(tokens)
             tokens += ids
@@ -130,10 +136,12 @@ class EpisodeRunner:
                     break
         return tokens, logprobs, versions, episode
 
-    async def _turn(self, context: list[int], params: SamplingParams, seed: int, request_id: str,
-                    stop: tuple[str, ...]) -> tuple[list[int], list[float], list[int], str]:
-        """One model turn: (tokens, log-probs, versions, how it ended). A stop string ends it at the token
-        that completes it (the request is aborted there)."""
+    async def turn(self, context: list[int], params: SamplingParams, seed: int, request_id: str,
+                   stop: tuple[str, ...], stop_inside: bool = False) -> tuple[list[int], list[float], list[int], str]:
+        """One model turn (also the OpenAI endpoint's call with stop strings, operators/engines/openai_endpoint.py):
+        (tokens, log-probs, versions, how it ended: "eos", "stop" or "length"). A stop string ends it at the
+        token that completes it (the request is aborted there): the text ends with it, or with
+        `stop_inside` (the endpoint's rule) the token's text holds it with more after it."""
         await self.slots.acquire(1)
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -153,7 +161,7 @@ class EpisodeRunner:
                         if token in stops:
                             ended_by = "eos"
                             break
-                        if stop and any(self.engine.decode(tokens).endswith(s) for s in stop):
+                        if stop and stopped(self.engine.decode(tokens), stop, stop_inside):
                             ended_by = "stop"
                             break
                     if ended_by != "length":

@@ -137,6 +137,15 @@ class RolloutLoop:
         return [self._run(self.episodes.group(list(ids), params, seed, uid, make_env, row, max_turns, max_tokens))
                 for ids, seed, uid, row in zip(prompt_token_ids, seeds, uids, rows)]
 
+    def run_on_loop(self, coroutine) -> concurrent.futures.Future:
+        """Run `coroutine` on the loop's event loop (a server that samples with `sample_async`, e.g. the
+        OpenAI-compatible endpoint, operators/engines/openai_endpoint.py)."""
+        return self._run(coroutine)
+
+    async def sample_async(self, prompt_ids: list[int], params: SamplingParams, seed: int, uid: str) -> GroupResult:
+        """On the loop: one group, as `submit` starts it (the loop's admission, slots and weight updates)."""
+        return await self._group(list(prompt_ids), params, seed, uid)
+
     def wait_version(self, min_version: int, timeout_s: float | None = None) -> int:
         """The staleness gate: block until the engine has loaded a version >= min_version; the loaded version."""
         future = self._run(self.slots.wait_version(min_version, self._raise_failure))
