@@ -51,7 +51,7 @@ from operators.engines.engine_slots import EngineSlots
 from operators.engines.episodes import EpisodeRunner
 from operators.engines.rollout_records import GroupResult, UpdateRecord
 from operators.common.faults import FaultPoints
-from operators.weights.checksums import file_mismatches
+from operators.weights.checksums import differ, file_mismatches
 from operators.weights.plane import Incoming, WeightMismatch
 from operators.weights.planes import receiver_for
 from operators.weights.probe import check_served
@@ -257,9 +257,8 @@ class RolloutLoop:
         if bad:
             raise WeightMismatch(
                 f"engine {self.name}: policy version {incoming.version} as written for the engine to load "
-                f"({prepared}) does not match the trainer's checksums: {len(bad)} tensors differ "
-                f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). The attempt stops rather than sample "
-                "from weights nobody trained")
+                f"({prepared}) does not match the trainer's checksums: {differ(bad)}. The attempt stops rather "
+                "than sample from weights nobody trained")
         return prepared, incoming.checked + checked
 
     async def _add_adapter(self, incoming: Incoming) -> UpdateRecord:

@@ -219,6 +219,7 @@ class AsyncVLLMEngine(VLLMBase):
         Raises WeightMismatch when the engine does not hold the trainer's weights."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        from operators.weights.checksums import differ
         from operators.weights.plane import WeightMismatch
 
         await self.engine.start_weight_update()
@@ -239,7 +240,7 @@ class AsyncVLLMEngine(VLLMBase):
         if bad:
             raise WeightMismatch(
                 f"engine {self.engine_id} does not hold the trainer's policy version {applied_version}: the "
-                f"checksums of {len(bad)} tensors differ ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). "
+                f"checksums of {differ(bad)}. "
                 "The attempt stops rather than sample from weights nobody trained; if it repeats, report it "
                 "with this message")
         return {"version": applied_version, "verified": all(r.get("verified") for r in reports),

@@ -22,6 +22,17 @@ import numpy as np
 from operators.weights.buckets import WeightBucket
 
 
+def verify_due(sent: int, verify_every: int) -> bool:
+    """Whether the version after `sent` earlier ones carries checksums: the first, then every `verify_every`-th
+    (0: the first only)."""
+    return sent == 0 or bool(verify_every and sent % verify_every == 0)
+
+
+def differ(bad: list[str]) -> str:
+    """'N tensors differ (the first four names ...)', for a mismatch's message."""
+    return f"{len(bad)} tensors differ ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''})"
+
+
 def digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8)).hexdigest()
 

@@ -36,7 +36,7 @@ import uuid
 from typing import Any, Iterable
 
 from operators.weights.buckets import WeightBucket
-from operators.weights.checksums import digests_of
+from operators.weights.checksums import digests_of, verify_due
 from operators.weights.gloo_wire import Endpoint, bucket_bytes, encode_layout, layout_of, open_group, post_version
 from operators.weights.object_store import put_manifest
 from operators.weights.plane import Incoming, WeightTransferError
@@ -88,7 +88,7 @@ class GlooSender:
         """Hand `version`'s buckets to the sender's thread once the previous version is out; the seconds
         waited. Publishes nothing (tests drive the wire alone with it)."""
         buckets = list(buckets)
-        verify = self._sent == 0 or self._verify_requested or (self.verify_every and self._sent % self.verify_every == 0)
+        verify = self._verify_requested or verify_due(self._sent, self.verify_every)
         self._verify_requested = False
         start = time.perf_counter()
         with self._cond:

@@ -4,8 +4,8 @@ Rank 0 puts each bucket (an engine reads it zero-copy from its node's store) and
 `WeightManifest` naming them; the policy store keeps the latest manifest's reference (and those an
 evaluator will read). On a verified version (the first, then every `rollout.verify_weights_every`-th) the
 manifest carries the trainer's sha256 of every tensor, and a receiver checks the bytes it pulled against
-them before its engine sees them (operators/weights/checksums.py). Any engine takes this plane: the HF engine loads the buckets' tensors, vLLM a
-safetensors file written from them, the critic's Value stage a state dict. See operators/weights/plane.py
+them before its engine sees them (operators/weights/checksums.py). Any engine takes this plane: the HF
+engine loads the buckets' tensors, vLLM a safetensors file written from them, the critic's Value stage a state dict. See operators/weights/plane.py
 for the protocol; the gloo plane (gloo_plane.py) uses `put_manifest` too, for versions an evaluator reads.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from operators.weights.buckets import WeightBucket, WeightSet, non_finite
-from operators.weights.checksums import digests_of, transport_mismatches
+from operators.weights.checksums import differ, digests_of, transport_mismatches, verify_due
 from operators.weights.plane import Incoming, WeightMismatch
 
 
@@ -110,7 +110,7 @@ def checked_incoming(version: int, published: Any, weights: Any, pull_s: float) 
     if bad:
         raise WeightMismatch(
             f"policy version {version} pulled from the object store does not match the trainer's checksums: "
-            f"{len(bad)} tensors differ ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). The attempt stops "
+            f"{differ(bad)}. The attempt stops "
             "rather than sample from weights nobody trained; if it repeats, report it with this message")
     return Incoming(version, weights, pull_s, digests, len(digests))
 
@@ -127,7 +127,7 @@ class ObjectStoreSender:
 
     def send(self, version: int, buckets: Iterable[WeightBucket]) -> float:
         buckets = list(buckets)
-        verify = self.sent == 0 or (self.verify_every and self.sent % self.verify_every == 0)
+        verify = verify_due(self.sent, self.verify_every)
         self.store.publish(version, put_manifest(buckets, digests_of(buckets) if verify else None))
         self.sent += 1
         return 0.0
