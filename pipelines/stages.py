@@ -167,7 +167,7 @@ def stages(cfg: JobConfig, model_path: str, store, workers, remote_args: dict[st
     if cfg.rollout.environment is not None:  # multi-turn episodes (operators/environments/environment.py)
         env = cfg.rollout.environment
         generate.update(environment=env.name, environment_options=environment_options(cfg), max_turns=env.max_turns,
-                        max_episode_tokens=env.max_episode_tokens)
+                        max_episode_tokens=env.max_episode_tokens, episode_timeout_s=env.timeout_s)
     reward = dict(
         functions=cfg.reward.function_specs(), on_error=cfg.reward.on_error,
         timeout_s=cfg.reward.timeout_s, timestamps=True, limits=sandbox_limits(cfg.sandbox),

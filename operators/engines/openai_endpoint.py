@@ -59,6 +59,19 @@ class RecordedCall:
     finish_reason: str  # "stop" (a stop token) or "length" (max tokens)
 
 
+@dataclass
+class EpisodeRules:
+    """An episode the endpoint was told to expect (a job's agent episode, operators/engines/agent_episodes.py):
+    its calls sample at `temperature` (0: the evaluator's greedy episodes) with seeds from `seed`, at most
+    `max_calls` of them."""
+
+    seed: int
+    temperature: float
+    max_calls: int
+    calls: int = 0
+    over_budget: bool = False  # a call past max_calls was refused (the episode ends as cut, not as an error)
+
+
 class RequestError(ValueError):
     """A request the endpoint refuses: the HTTP status and the OpenAI error's `param`."""
 
@@ -154,6 +167,10 @@ class RolloutEndpoint:
         self.token = token or secrets.token_urlsafe(24)
         self.host, self.port = host, port
         self.ledger = CallLedger()
+        # with open_episodes_only (a job's agents), only episodes opened with `open_episode` may call, and a call
+        # that finishes after its episode closed is dropped; otherwise any episode id is recorded
+        self.open_episodes_only = False
+        self._open: dict[str, EpisodeRules] = {}
         self._seeds = itertools.count(seed)
         self._calls = itertools.count()
         self._runner = None
@@ -174,6 +191,15 @@ class RolloutEndpoint:
 
     def take(self, episode: str) -> list[RecordedCall]:
         """The calls recorded for `episode`, in the order they finished; handed over once."""
+        return self.ledger.take(episode)
+
+    def open_episode(self, episode: str, rules: EpisodeRules) -> None:
+        """Expect calls of `episode` under `rules` (on the loop's thread, as the calls are answered)."""
+        self._open[episode] = rules
+
+    def close_episode(self, episode: str) -> list[RecordedCall]:
+        """No more calls of `episode` (a late one is refused, one still sampling is dropped); its calls."""
+        self._open.pop(episode, None)
         return self.ledger.take(episode)
 
     # --- on the loop ---------------------------------------------------------------------------------
@@ -254,13 +280,29 @@ class RolloutEndpoint:
             raise RequestError("each call names its episode, so its tokens can be trained on: send "
                                "extra_body={'episode_id': ...} with the openai client, or the X-Episode-Id header",
                                param="episode_id")
-        params = sampling_of(body, temperature=self.temperature, top_p=self.top_p,
-                             max_new_tokens=self.max_new_tokens, seed=next(self._seeds))
+        rules = self._open.get(episode)
+        temperature, seed = self.temperature, None
+        if rules is not None:
+            if rules.calls >= rules.max_calls:
+                rules.over_budget = True
+                raise RequestError(f"episode {episode!r} has made its {rules.max_calls} calls "
+                                   "(rollout.environment.max_turns)", param="episode_id")
+            temperature, seed = rules.temperature, (rules.seed + 1_000_003 * rules.calls) % (2**31 - 1 - MAX_N)
+            rules.calls += 1
+        elif self.open_episodes_only:
+            raise RequestError(f"episode {episode!r} is not running (it ended, ran out of time, or was never "
+                               "started by the job): its calls cannot be trained on", status=409, param="episode_id")
+        params = sampling_of(body, temperature=temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                             seed=next(self._seeds) if seed is None else seed)
         stops = stop_strings(body)
         call = next(self._calls)
-        records = await (self._sample_stopped(episode, call, route, prompt_ids, params, stops) if stops
-                         else self._sample(episode, call, route, prompt_ids, params))
-        self.ledger.add(records)
+        try:
+            records = await (self._sample_stopped(episode, call, route, prompt_ids, params, stops) if stops
+                             else self._sample(episode, call, route, prompt_ids, params))
+        except ValueError as err:  # the engine's refusal of this call (a prompt longer than the model's length)
+            raise RequestError(f"the engine refused the call: {err}", param="messages") from None
+        if rules is None or self._open.get(episode) is rules:  # a call that outlived its episode is not kept
+            self.ledger.add(records)
         return web.json_response(self._reply(body, route, call, records))
 
     async def _sample(self, episode: str, call: int, route: str, prompt_ids: list[int],

@@ -137,6 +137,10 @@ class RolloutLoop:
         return [self._run(self.episodes.group(list(ids), params, seed, uid, make_env, row, max_turns, max_tokens))
                 for ids, seed, uid, row in zip(prompt_token_ids, seeds, uids, rows)]
 
+    def check_failure(self) -> None:
+        """Raise the loop's failure (its weight watcher's), if it has one."""
+        self._raise_failure()
+
     def run_on_loop(self, coroutine) -> concurrent.futures.Future:
         """Run `coroutine` on the loop's event loop (a server that samples with `sample_async`, e.g. the
         OpenAI-compatible endpoint, operators/engines/openai_endpoint.py)."""

@@ -20,14 +20,18 @@ class GroupResult:
     end: float  # wall clock: the last sample finished
     pause_s: float = 0.0  # weight-update pauses while this group was in flight
     episodes: list | None = None  # multi-turn: one Episode per response (operators/environments/environment.py)
+    # agent episodes (operators/engines/agent_episodes.py): the prompt the responses continue, when it is not the
+    # row's rendered prompt (the agent wrote its own messages)
+    prompt_ids: list[int] | None = None
+    version: int = 0  # the engine's version when the group ended: its version when no response has a token
 
     @property
     def version_min(self) -> int:
-        return min(min(v) for v in self.token_versions if v)
+        return min((min(v) for v in self.token_versions if v), default=self.version)
 
     @property
     def version_max(self) -> int:
-        return max(max(v) for v in self.token_versions if v)
+        return max((max(v) for v in self.token_versions if v), default=self.version)
 
 
 @dataclass

@@ -103,7 +103,8 @@ class Environment(Protocol):
         """Answer the model's turn."""
 
 
-def _import(name: str, kind: str):
+def import_named(name: str, kind: str):
+    """`module:attribute` imported (an environment, a tool, an agent); raises naming the fix."""
     module_name, _, attribute = name.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -118,7 +119,7 @@ def _import(name: str, kind: str):
 
 def resolve_environment(name: str) -> type:
     """A builtin environment by name, or 'module:Class'. Raises with the fix in the message."""
-    cls = ENVIRONMENTS.get(name) if ":" not in name else _import(name, "environment")
+    cls = ENVIRONMENTS.get(name) if ":" not in name else import_named(name, "environment")
     missing = [method for method in ("reset", "step") if not callable(getattr(cls, method, None))]
     if missing:
         raise TypeError(f"environment {name!r} has no {' or '.join(missing)} method; an environment is a class "
@@ -128,7 +129,7 @@ def resolve_environment(name: str) -> type:
 
 def resolve_tool(name: str) -> Callable[..., str]:
     """A builtin tool by name, or 'module:function'."""
-    fn = TOOLS.get(name) if ":" not in name else _import(name, "tool")
+    fn = TOOLS.get(name) if ":" not in name else import_named(name, "tool")
     if not callable(fn):
         raise TypeError(f"tool {name!r} is not callable; a tool is a function returning a string")
     return fn

@@ -86,6 +86,7 @@ class Generate:
         environment_options: dict | None = None,
         max_turns: int = 4,
         max_episode_tokens: int = 256,
+        episode_timeout_s: float = 300.0,
         chat_template: str = "auto",
         system_prompt: str | None = None,
     ):
@@ -94,21 +95,28 @@ class Generate:
         `environment` (in flight only): run multi-turn episodes with it (operators/environments/environment.py;
         a builtin name such as "tools", or 'module:Class', built with `environment_options`), at most
         `max_turns` turns of at most `max_new_tokens` tokens each and `max_episode_tokens` tokens after
-        the prompt per episode. `chat_template` and `system_prompt`: how prompts are rendered
-        (operators/common/prompts.py)."""
+        the prompt per episode. An environment named 'agent:module:function' is an agent written against the
+        openai client (operators/environments/agents.py), run per episode against this actor's rollout
+        endpoint for at most `episode_timeout_s`, `max_turns` calls. `chat_template` and `system_prompt`: how
+        prompts are rendered (operators/common/prompts.py)."""
         self.rollout = None
         self.model_path = model_path
         self.prompt_format = PromptFormat(chat_template, system_prompt)
         self._renderer: PromptRenderer | None = None
-        self.environment = None
+        self.environment = self.agent = self._agent_runner = None
         if environment is not None:
             if not in_flight:
                 raise ValueError("an environment needs in_flight=True: every turn is a request to the in-flight "
                                  "engine (engine 'vllm', or an engine class with `stream`)")
+            from operators.environments.agents import AgentRun, is_agent, resolve_agent
             from operators.environments.environment import EnvironmentFactory, resolve_environment
 
-            resolve_environment(environment)  # fail here, with the fix, not in the first episode
-            self.environment = EnvironmentFactory(environment, environment_options)
+            if is_agent(environment):
+                resolve_agent(environment)  # fail here, with the fix, not in the first episode
+                self.agent = AgentRun(environment, environment_options, episode_timeout_s)
+            else:
+                resolve_environment(environment)
+                self.environment = EnvironmentFactory(environment, environment_options)
         self.max_turns, self.max_episode_tokens = int(max_turns), int(max_episode_tokens)
         if in_flight:
             from operators.engines.rollout import RolloutLoop
@@ -203,14 +211,34 @@ class Generate:
         uids = [str(uid) for uid in batch.get("group_uid", batch["prompt"])]  # str(): messages too
         version = self.rollout.version
         seeds = [self._group_seed(uid, version, params.n) for uid in uids]
-        if self.environment is not None:
-            from operators.stages.reward import PIPELINE_COLUMNS
+        if self.environment is None and self.agent is None:
+            return batch, prompt_ids, self.rollout.submit(prompt_ids, params, seeds, uids)
+        from operators.stages.reward import PIPELINE_COLUMNS
 
-            columns = [c for c in batch.columns if c not in PIPELINE_COLUMNS]
-            rows = [{c: plain(v) for c, v in row.items()} for row in batch[columns].to_dict("records")]
+        columns = [c for c in batch.columns if c not in PIPELINE_COLUMNS]
+        rows = [{c: plain(v) for c, v in row.items()} for row in batch[columns].to_dict("records")]
+        if self.environment is not None:
             return batch, prompt_ids, self.rollout.submit_episodes(
                 prompt_ids, params, seeds, uids, self.environment, rows, self.max_turns, self.max_episode_tokens)
-        return batch, prompt_ids, self.rollout.submit(prompt_ids, params, seeds, uids)
+        self.rollout.check_failure()
+        runner = self._agents()
+        return batch, prompt_ids, [self.rollout.run_on_loop(runner.group(
+            list(ids), params.n, seed, self.agent, row, params.temperature, self.max_turns,
+            self.max_episode_tokens)) for ids, seed, row in zip(prompt_ids, seeds, rows)]
+
+    def _agents(self):
+        """The agents' runner over this actor's rollout endpoint (started on first use)."""
+        if self._agent_runner is None:
+            from operators.engines.agent_episodes import AgentRunner
+            from operators.engines.openai_endpoint import RolloutEndpoint
+
+            endpoint = RolloutEndpoint(self.rollout, self.renderer(), temperature=self.params.temperature,
+                                       top_p=self.params.top_p, max_new_tokens=self.params.max_new_tokens,
+                                       seed=self.params.seed)
+            endpoint.start()
+            self._agent_runner = AgentRunner(endpoint, self.rollout.slots, self.engine.decode,
+                                             self.rollout.check_failure)
+        return self._agent_runner
 
     def _stream(self, batch: pd.DataFrame, greedy: bool) -> Iterator[pd.DataFrame]:
         """Each group as a one-row frame, in the order they finish."""
@@ -253,6 +281,12 @@ class Generate:
         return (self.params.seed * 1_000_003 + zlib.crc32(f"{uid}@{version}".encode())) % (2**31 - max(n, 1))
 
     def _rows(self, batch: pd.DataFrame, prompt_ids: list[list[int]], results: list) -> pd.DataFrame:
+        # agent episodes: the prompt the responses continue, when the agent wrote its own (operators/engines/
+        # agent_episodes.py); the rendered text in prompt_text follows it
+        prompt_ids = [ids if r.prompt_ids is None else r.prompt_ids for ids, r in zip(prompt_ids, results)]
+        if any(r.prompt_ids is not None for r in results):
+            tokenizer = self.renderer().tokenizer
+            batch = batch.assign(prompt_text=[tokenizer.decode(ids) for ids in prompt_ids])
         columns = {
             "prompt_token_ids": prompt_ids,
             "responses": [r.sample.texts for r in results],
@@ -279,6 +313,10 @@ class Generate:
     def close(self) -> None:
         """Stop the engine's processes now (vLLM's engine core and workers), not at the interpreter's exit: a
         process that builds one Generate after another (the race's evaluators) would keep each old engine."""
+        if self._agent_runner is not None:  # before the loop it serves on: no agent calls in after it
+            self._agent_runner.close()
+            self._agent_runner.endpoint.close()
+            self._agent_runner = None
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None

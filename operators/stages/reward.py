@@ -214,7 +214,8 @@ class Reward:
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (0: no limit), got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        self.sandbox = Sandbox([name for name, *_ in self.functions], "reward", limits) if self.timeout_s > 0 else None
+        self.sandbox = (Sandbox([name for name, *_ in self.functions], "reward", limits)
+                        if self.timeout_s > 0 and self.functions else None)
 
     def close(self) -> None:
         """Stop the sandbox process now (it is also stopped when this object is collected)."""

@@ -125,6 +125,9 @@ class JobConfig(Section):
             )
         problems += self._critic_problems(samples, checks.token_estimator(self.algorithm.advantage))
         problems += self._eval_engine_problems()
+        if not self.reward.functions and self.rollout.environment is None:
+            problems.append("reward.functions: empty, and no rollout.environment gives rewards of its own; name at "
+                            "least one reward function (e.g. [{name: arithmetic_exact}])")
         problems += self._weight_transfer_problems() + self._adapter_problems()
         if self.train.dtype == "bf16" and self.train.zero_stage == 0:
             problems.append("train.dtype: bf16 needs train.zero_stage >= 1 in DeepSpeed; set zero_stage: 1")

@@ -36,8 +36,8 @@ class RewardFunctionConfig(Section):
 class RewardConfig(Section):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [RewardFunctionConfig(name="arithmetic_exact")],
-        min_length=1,
-        description="Reward functions, summed with their weights.",
+        description="Reward functions, summed with their weights. Empty only with rollout.environment, whose own "
+        "rewards (an environment's, or what an agent returns) are then the reward.",
     )
     on_error: float = Field(
         0.0, description="Reward given to a sample whose reward function raised or returned None (a trl-style "

@@ -53,15 +53,22 @@ class VLLMOptions(Section):
 class EnvironmentConfig(Section):
     name: str = Field(
         description="The environment that answers the model between turns: a builtin ('tools': tool calls, see "
-        "operators/environments/environment.py) or 'module:Class' (a class with reset(row) and step(turn) -> EnvStep)."
+        "operators/environments/environment.py), 'module:Class' (a class with reset(row) and step(turn) -> EnvStep), "
+        "or 'agent:module:function': an agent written against the openai client, function(client, row, **options) "
+        "-> reward or None, whose calls to the rollout endpoint are trained on (operators/environments/agents.py)."
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment's class, e.g. for 'tools': "
         "{tools: [calculator], call_start: '[', call_end: ']', result_start: '{', result_end: '}', timeout_s: 5}."
     )
-    max_turns: int = Field(4, ge=1, description="Most model turns per episode (each at most rollout.max_new_tokens).")
+    max_turns: int = Field(4, ge=1, description="Most model turns per episode (each at most rollout.max_new_tokens); "
+                           "for an agent, its most calls per episode.")
     max_episode_tokens: int = Field(
         64, ge=1, description="Most tokens per episode after the prompt, the model's and the observations'."
+    )
+    timeout_s: float = Field(
+        300, gt=0, description="An agent's most seconds per episode (agent: environments); past it the episode ends "
+        "as an error (env_errors) and its later calls are refused."
     )
 
     @field_validator("name")

@@ -56,10 +56,11 @@ def importable_reward_function(name: str) -> str:
 
 
 def importable_environment(name: str) -> str:
+    from operators.environments.agents import is_agent, resolve_agent
     from operators.environments.environment import resolve_environment
 
     try:
-        resolve_environment(name)
+        (resolve_agent if is_agent(name) else resolve_environment)(name)
     except (KeyError, ImportError, AttributeError, ValueError, TypeError) as err:
         raise ValueError(str(err).strip("'\""))
     return name
@@ -67,9 +68,15 @@ def importable_environment(name: str) -> str:
 
 def environment_takes(name: str, options: dict) -> None:
     """The environment class takes `options` as keyword arguments, and its own check of them holds (e.g.
-    tools that cannot be imported); ValueError 'options...' otherwise."""
+    tools that cannot be imported); an agent function takes them after (client, row). ValueError otherwise."""
+    from operators.environments.agents import agent_problems, is_agent
     from operators.environments.environment import resolve_environment
 
+    if is_agent(name):
+        problems = agent_problems(name, options)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return
     cls = resolve_environment(name)
     try:
         inspect.signature(cls).bind(**options)

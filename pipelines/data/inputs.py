@@ -167,9 +167,11 @@ def column_problems(cfg: JobConfig, columns: list[str], where: str, path: str) -
             problems.append((f"reward.functions.{index}.name", f"reward function {function.name!r} {problem}"))
     environment = cfg.rollout.environment
     if environment is not None:
+        from operators.environments.agents import is_agent, resolve_agent
         from operators.environments.environment import resolve_environment
 
-        missing = [c for c in getattr(resolve_environment(environment.name), "columns", ()) if c not in columns]
+        resolve = resolve_agent if is_agent(environment.name) else resolve_environment
+        missing = [c for c in getattr(resolve(environment.name), "columns", ()) if c not in columns]
         if missing:
             problems.append(("rollout.environment.name", f"environment {environment.name!r} reads the column(s) "
                              f"{missing} of every row, which {where}.path {path!r} lacks (its columns: {columns}); "

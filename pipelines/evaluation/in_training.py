@@ -89,7 +89,8 @@ class EvalSettings:
             **({} if self.environment is None else dict(
                 in_flight=True, environment=self.environment["name"],
                 environment_options=dict(self.environment["options"]), max_turns=self.environment["max_turns"],
-                max_episode_tokens=self.environment["max_episode_tokens"])),
+                max_episode_tokens=self.environment["max_episode_tokens"],
+                episode_timeout_s=self.environment.get("timeout_s", 300.0))),
         )
 
     def reward_kwargs(self) -> dict:

@@ -187,6 +187,8 @@ def format_lineage(info: dict, step: int | None) -> str:
                     parts.append(f"-> {turn['observation']!r}")
                 if turn.get("error"):
                     parts.append(f"(error: {turn['error']})")
+                if turn.get("trained") is False:  # an agent's call outside the chain its sample trains on
+                    parts.append("(not trained: a later call did not extend it)")
                 if turn.get("reward") is not None:
                     parts.append(f"[{turn['reward']:g}]")
                 lines.append(f"      {number}. " + " ".join(parts))
