@@ -178,19 +178,18 @@ class AgentRunner:
         loop = asyncio.get_running_loop()
         async with self.slots.episode():  # without partial rollout, a swap waits for the episodes running
             self.endpoint.open_episode(episode, rules)
+            reward, end, error = None, "done", None
             try:
                 work = loop.run_in_executor(self.executor, agent.run, self.endpoint.base_url, self.endpoint.token,
                                             episode, row)
                 reward = await asyncio.wait_for(work, agent.timeout_s)
-                return AgentOutcome(self.endpoint.close_episode(episode), reward, "done")
             except asyncio.TimeoutError:
-                return AgentOutcome(self.endpoint.close_episode(episode), None, "timeout",
-                                    f"agent: ran past rollout.environment.timeout_s ({agent.timeout_s:g} s)")
+                end, error = "timeout", f"agent: ran past rollout.environment.timeout_s ({agent.timeout_s:g} s)"
             except Exception as err:  # noqa: BLE001 - an agent's failure ends its episode, not the job
-                if rules.over_budget:  # it went on past max_turns calls: cut there, as an environment's episode
-                    return AgentOutcome(self.endpoint.close_episode(episode), None, "max_turns")
-                return AgentOutcome(self.endpoint.close_episode(episode), None, "env_error",
-                                    f"agent: {type(err).__name__}: {err}")
+                # past max_turns calls it is cut there, as an environment's episode; anything else is its error
+                end, error = ("max_turns", None) if rules.over_budget else ("env_error",
+                                                                            f"agent: {type(err).__name__}: {err}")
+            return AgentOutcome(self.endpoint.close_episode(episode), reward, end, error)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
